@@ -1,0 +1,108 @@
+"""``load-keeps-requires-grad``: frozen parameters stay frozen when a checkpoint is loaded.
+
+Upstream bug (transformers 5.0.0 – 5.24.0 at least, B1): while loading, transformers replaces each
+parameter with ``nn.Parameter(value, requires_grad=value.is_floating_point())`` in
+``core_model_loading.set_param_for_module`` (and, for parameters missing from the checkpoint, in
+``modeling_utils._load_parameter_into_model``), ignoring the flag of the parameter it replaces. A
+model whose ``__init__`` freezes a base or a tower comes back fully trainable. transformers 4.x
+loads through ``load_state_dict(assign=True)``, which keeps the flag, so the patch is gated to 5.x.
+
+The fix wraps both functions: it notes the parameter in the slot before the call and, if the new
+parameter came back trainable where the old one was frozen, freezes it again. Only that direction
+is restored: a parameter that was trainable and comes back frozen was frozen on purpose by
+transformers (quantized and integer weights), which this patch must not undo. Buffers, the
+``_extra_state`` path, ``None`` or missing slots and DTensors (which upstream already handles
+from 5.15) are left to transformers untouched. Arguments are read by name or position, so all
+three ``set_param_for_module`` signatures (5.0, 5.1 – 5.15, 5.16+) work: only the first three
+parameters, stable across them, are used.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shim import Patch, Target
+
+from ._arguments import argument, leading_parameters
+
+
+def _load_keeping_frozen(wrapped, args, kwargs, model, dotted_name):
+    try:
+        module_path, _, attribute = dotted_name.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        before = module._parameters.get(attribute)
+    except Exception:
+        # The slot does not exist: transformers reports it (unexpected key) in its own way.
+        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if before is not None and not before.requires_grad:
+        after = module._parameters.get(attribute)
+        if after is not None and after is not before and after.requires_grad:
+            after.requires_grad_(False)
+    return result
+
+
+def _set_param_for_module(wrapped, instance, args, kwargs):
+    model = argument(args, kwargs, 0, "model")
+    target_name = argument(args, kwargs, 1, "target_name")
+    return _load_keeping_frozen(wrapped, args, kwargs, model, target_name)
+
+
+def _load_parameter_into_model(wrapped, instance, args, kwargs):
+    model = argument(args, kwargs, 0, "model")
+    param_name = argument(args, kwargs, 1, "param_name")
+    return _load_keeping_frozen(wrapped, args, kwargs, model, param_name)
+
+
+def _probe():
+    loading = sys.modules["transformers.core_model_loading"]
+    modeling = sys.modules["transformers.modeling_utils"]
+    return leading_parameters(
+        loading.set_param_for_module, ("model", "target_name", "param_value")
+    ) or leading_parameters(modeling._load_parameter_into_model, ("model", "param_name", "tensor"))
+
+
+def frozen_llama_class():
+    """A Llama whose ``__init__`` freezes the embeddings and the first decoder layer."""
+    from transformers import LlamaForCausalLM
+
+    class FrozenBaseLlama(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.embed_tokens.requires_grad_(False)
+            self.model.layers[0].requires_grad_(False)
+
+    return FrozenBaseLlama
+
+
+def requires_grad_map(model) -> dict[str, bool]:
+    return {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+
+
+def _self_check() -> bool:
+    """True when a save/load round trip changes a ``requires_grad`` flag."""
+    import tempfile
+
+    from shim.selfcheck import tiny_llama_config
+
+    model_class = frozen_llama_class()
+    model = model_class(tiny_llama_config())
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        loaded = model_class.from_pretrained(directory)
+    return requires_grad_map(loaded) != requires_grad_map(model)
+
+
+PATCH = Patch(
+    name="load-keeps-requires-grad",
+    summary="Frozen parameters stay frozen through from_pretrained (transformers 5.x resets requires_grad).",
+    distribution="transformers",
+    requires=">=5.0",
+    targets=(
+        Target("transformers.core_model_loading:set_param_for_module", _set_param_for_module),
+        Target("transformers.modeling_utils:_load_parameter_into_model", _load_parameter_into_model),
+    ),
+    references=("../shared/upstream-bugs.md#B1",),
+    probe=_probe,
+    self_check=_self_check,
+)

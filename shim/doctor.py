@@ -1,0 +1,77 @@
+"""``python -m shim doctor``: does each bug reproduce on the installed versions, and is it fixed?
+
+Every patch that declares a self-check runs it twice on a tiny model built in code: with the patch
+switched off (does the bug show upstream?) and on (is it gone?).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .registry import APPLIED, DISABLED, Registry
+
+FIXED = "fixed"
+NOT_FIXED = "NOT FIXED"
+NOT_AFFECTED = "not affected"
+NOT_REPRODUCED = "not reproduced"
+OPTED_OUT = "opted out"
+NO_CHECK = "no self-check"
+NOT_INSTALLED = "not installed"
+ERROR = "check error"
+
+#: Verdicts that make ``doctor`` exit non-zero.
+FAILING = frozenset({NOT_FIXED, ERROR})
+
+
+@dataclass(frozen=True)
+class Finding:
+    name: str
+    installed: str
+    state: str
+    bug_upstream: str  # "yes" | "no" | "-"
+    bug_with_shim: str
+    verdict: str
+    detail: str
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def examine(registry: Registry, name: str) -> Finding:
+    patch = registry.patch(name)
+    for module_name in patch.modules:  # importing the targets lets the patch apply (or skip)
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            status = next(s for s in registry.status() if s.name == name)
+            return Finding(name, status.installed or "-", status.state, "-", "-", NOT_INSTALLED, status.reason)
+    status = next(s for s in registry.status() if s.name == name)
+    installed = status.installed or "-"
+    if patch.self_check is None:
+        return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
+    try:
+        if status.state == APPLIED:
+            with registry.disabled(name):
+                upstream = patch.self_check()
+            fixed = not patch.self_check()
+        else:
+            upstream = patch.self_check()
+            fixed = not upstream
+    except Exception as exc:  # a broken check is a finding, not a crash of the whole report
+        return Finding(name, installed, status.state, "-", "-", ERROR, repr(exc))
+    if status.state == APPLIED:
+        verdict = FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
+    elif status.state == DISABLED:
+        verdict = OPTED_OUT
+    else:
+        verdict = NOT_FIXED if upstream else NOT_AFFECTED
+    return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason)
+
+
+def run(registry: Registry) -> list[Finding]:
+    return [examine(registry, name) for name in registry.names]

@@ -1,0 +1,82 @@
+"""The declaration of one patch: what it fixes, where, for which versions.
+
+A :class:`Patch` is plain data. The registry (``shim.registry``) decides when and whether to
+apply it; nothing in this module touches the target libraries.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+#: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
+Wrapper = Callable[[Callable, object, tuple, dict], object]
+
+_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute to wrap, written ``"package.module:attribute.path"``."""
+
+    spec: str
+    wrapper: Wrapper
+
+    def __post_init__(self) -> None:
+        if not _TARGET.match(self.spec):
+            raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
+
+    @property
+    def module(self) -> str:
+        return self.spec.partition(":")[0]
+
+    @property
+    def path(self) -> str:
+        return self.spec.partition(":")[2]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A fix for one upstream bug.
+
+    ``probe`` is called once, when every target module is imported and the version gate passed; it
+    returns ``None`` when the code still has the shape the wrappers expect, or a short reason to skip.
+    ``self_check`` is used by ``python -m shim doctor``: it builds a tiny case in code and returns
+    ``True`` when the bug shows. ``consumers`` are ``fnmatch`` patterns of module names whose
+    module-level references to a target are rebound to the wrapper while the patch is applied
+    (for modules that did ``from target import name`` before the shim could wrap it).
+    """
+
+    name: str
+    summary: str
+    distribution: str
+    requires: str
+    targets: tuple[Target, ...]
+    references: tuple[str, ...] = ()
+    probe: Optional[Callable[[], Optional[str]]] = None
+    self_check: Optional[Callable[[], bool]] = None
+    consumers: tuple[str, ...] = ()
+    specifier: SpecifierSet = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"patch name {self.name!r} must be kebab-case, e.g. 'load-keeps-requires-grad'")
+        if not self.targets:
+            raise ValueError(f"patch {self.name!r} has no targets")
+        try:
+            object.__setattr__(self, "specifier", SpecifierSet(self.requires))
+        except InvalidSpecifier as exc:
+            raise ValueError(f"patch {self.name!r}: {self.requires!r} is not a PEP 440 specifier") from exc
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The target modules, in declaration order, without repeats."""
+        return tuple(dict.fromkeys(target.module for target in self.targets))
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}{self.requires}"

@@ -1,0 +1,310 @@
+"""The patch registry: when to apply each patch, and the record of what happened.
+
+Applying is lazy: a patch whose target modules are not all imported yet waits for them through
+wrapt post-import hooks, and is applied right after the last one finishes importing. Nothing here
+imports a target module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import wrapt
+
+from . import settings, versions, wrapping
+from .errors import PatchError
+from .patch import Patch
+
+log = logging.getLogger("shim")
+
+APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """What the registry did with one patch (``shim.status()`` returns one per patch)."""
+
+    name: str
+    state: str
+    reason: str
+    targets: tuple[str, ...]
+    requires: str
+    installed: Optional[str]
+    summary: str = ""
+    references: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Entry:
+    patch: Patch
+    switch: wrapping.Switch = field(default_factory=wrapping.Switch)
+    state: str = PENDING
+    reason: str = "not activated"
+    installed: Optional[str] = None
+    # (module object, attribute path, wrapper handle, original) for each target we wrapped or adopted
+    layers: list = field(default_factory=list)
+    rebound: list = field(default_factory=list)
+    hooked: set = field(default_factory=set)
+    applied_reason: str = ""
+
+
+class Registry:
+    """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
+
+    def __init__(self, patches=()) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._active = False
+        for patch in patches:
+            self.register(patch)
+
+    # -- declaring ------------------------------------------------------------------------------
+
+    def register(self, patch: Patch) -> Patch:
+        """Add ``patch``; if the registry is active it is applied now or on its targets' import."""
+        with self._lock:
+            existing = self._entries.get(patch.name)
+            if existing is not None:
+                if existing.patch is patch or existing.patch == patch:
+                    return patch
+                raise ValueError(f"a different patch named {patch.name!r} is already registered")
+            self._entries[patch.name] = _Entry(patch)
+            active = self._active
+        if active:
+            self._try_apply(patch.name)
+        return patch
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def patch(self, name: str) -> Patch:
+        return self._entry(name).patch
+
+    # -- switching --------------------------------------------------------------------------------
+
+    def activate(self) -> None:
+        """Apply every enabled patch now, or right after its target modules are imported."""
+        with self._lock:
+            self._active = True
+            names = tuple(self._entries)
+        for name in names:
+            self._try_apply(name)
+
+    def deactivate(self) -> None:
+        """Remove every layer this shim installed, leaving other libraries' wrappers working."""
+        with self._lock:
+            self._active = False
+            for entry in self._entries.values():
+                self._remove(entry)
+                self._set(entry, DISABLED, "shim.deactivate() was called")
+
+    def enable(self, *names: str) -> None:
+        """Switch patches back on (all when no names are given), applying them if needed."""
+        for name in self._resolve(names):
+            with self._lock:
+                entry = self._entries[name]
+                entry.switch.disabled = False
+                entry.switch.update()
+            self._try_apply(name, explicit=True)
+
+    def disable(self, *names: str) -> None:
+        """Switch patches off at once (all when no names are given); their layers stay, inert."""
+        with self._lock:
+            for name in self._resolve(names):
+                entry = self._entries[name]
+                entry.switch.disabled = True
+                entry.switch.update()
+                if entry.state in (APPLIED, PENDING):
+                    self._set(entry, DISABLED, "switched off with shim.disable()")
+
+    @contextlib.contextmanager
+    def disabled(self, *names: str) -> Iterator[None]:
+        """Switch patches off inside the block (all when no names are given). Process-wide, not per thread."""
+        with self._lock:
+            switches = [self._entries[name].switch for name in self._resolve(names)]
+            for switch in switches:
+                switch.suspended += 1
+                switch.update()
+        try:
+            yield
+        finally:
+            with self._lock:
+                for switch in switches:
+                    switch.suspended -= 1
+                    switch.update()
+
+    def is_on(self, name: str) -> bool:
+        """Whether patch ``name`` is applied and its wrappers act right now."""
+        entry = self._entry(name)
+        return entry.state == APPLIED and bool(entry.switch)
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def status(self) -> list[PatchStatus]:
+        with self._lock:
+            return [self._status(entry) for entry in self._entries.values()]
+
+    def _status(self, entry: _Entry) -> PatchStatus:
+        patch = entry.patch
+        installed = entry.installed
+        reason = entry.reason
+        if entry.state == PENDING and installed is None:
+            decision = versions.decide(patch.distribution, patch.specifier)
+            installed = decision.installed
+            reason = f"{reason}; {decision.reason}"
+        return PatchStatus(
+            name=patch.name,
+            state=entry.state,
+            reason=reason,
+            targets=tuple(t.spec for t in patch.targets),
+            requires=patch.requirement,
+            installed=installed,
+            summary=patch.summary,
+            references=patch.references,
+        )
+
+    # -- applying -------------------------------------------------------------------------------
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"no patch named {name!r}; known: {', '.join(self._entries)}") from None
+
+    def _resolve(self, names) -> tuple[str, ...]:
+        if not names:
+            return tuple(self._entries)
+        for name in names:
+            self._entry(name)
+        return tuple(names)
+
+    def _set(self, entry: _Entry, state: str, reason: str) -> None:
+        if (entry.state, entry.reason) != (state, reason):
+            level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
+            log.log(level, "%s: %s (%s)", entry.patch.name, state, reason)
+        entry.state, entry.reason = state, reason
+
+    def _on_import(self, name: str, module) -> None:
+        """Post-import hook: must never let an exception escape into the user's import (unless strict)."""
+        try:
+            self._try_apply(name)
+        except PatchError:
+            raise
+        except Exception:  # pragma: no cover - defensive: _try_apply already records failures
+            log.exception("%s: unexpected error in the post-import hook; the patch is not applied", name)
+
+    def _try_apply(self, name: str, explicit: bool = False) -> None:
+        waiting = ()
+        with self._lock:
+            entry = self._entries[name]
+            if not self._active or entry.state == APPLIED or entry.switch.disabled:
+                return
+            config = settings.read(self._entries)
+            if (config.disable_all or name in config.disabled) and not explicit:
+                variable = "SHIM_DISABLE=all" if config.disable_all else f"SHIM_DISABLE={name}"
+                self._set(entry, DISABLED, f"opted out with {variable}")
+                return
+            waiting = tuple(m for m in entry.patch.modules if m not in sys.modules)
+            if waiting:
+                self._set(entry, PENDING, f"applies when {', '.join(waiting)} is imported")
+            else:
+                problem = self._apply(entry, forced=name in config.forced)
+                if problem is not None and config.strict:
+                    raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
+        # Registering outside the lock: wrapt may run the hook at once if another thread just
+        # finished the import, and the hook takes the lock itself.
+        for module_name in waiting:
+            if module_name not in entry.hooked:
+                entry.hooked.add(module_name)
+                wrapt.register_post_import_hook(lambda module, n=name: self._on_import(n, module), module_name)
+
+    def _apply(self, entry: _Entry, forced: bool) -> Optional[str]:
+        """Gate, probe and wrap every target; returns a problem text when strict mode should raise."""
+        patch = entry.patch
+        if entry.layers:  # switched back on after shim.disable(): the layers never left
+            self._set(entry, APPLIED, entry.applied_reason)
+            return None
+        decision = versions.decide(patch.distribution, patch.specifier)
+        entry.installed = decision.installed
+        reason = decision.reason
+        if not decision.admitted:
+            if not forced or decision.gated_as is None:
+                self._set(entry, SKIPPED, reason)
+                return None
+            reason = f"{reason}, applied anyway because of SHIM_FORCE"
+
+        resolved = []
+        for target in patch.targets:
+            module = sys.modules[target.module]
+            try:
+                original = wrapt.resolve_path(module, target.path)[2]
+            except wrapt.PathResolutionError:
+                problem = f"target {target.spec} does not exist in {decision.installed}"
+                self._set(entry, SKIPPED, problem)
+                return problem
+            resolved.append((target, module, original))
+
+        if patch.probe is not None:
+            try:
+                problem = patch.probe()
+            except Exception as exc:
+                problem = f"shape probe raised {exc!r}"
+            if problem:
+                self._set(entry, SKIPPED, f"{problem} ({reason})")
+                return problem
+
+        try:
+            for target, module, original in resolved:
+                handle = wrapping.find_shim_wrapper(original, patch.name)
+                if handle is not None:
+                    # Another registry (or a reloaded shim) already applied it: adopt that layer
+                    # and share its switch instead of adding a second one.
+                    entry.switch = wrapping.switch_of(handle)
+                    original = handle.__wrapped__
+                else:
+                    handle = wrapping.install(module, target.path, patch.name, target.wrapper, entry.switch)
+                entry.layers.append((module, target.path, handle, original))
+        except Exception as exc:
+            self._remove(entry)
+            problem = f"wrapping failed and was rolled back: {exc!r}"
+            self._set(entry, FAILED, problem)
+            return problem
+
+        failed = []
+        if patch.consumers:
+            for _module, _path, handle, original in entry.layers:
+                rebound, missed = wrapping.rebind(patch.consumers, original, handle)
+                entry.rebound.extend((module, attribute, handle, original) for module, attribute in rebound)
+                failed.extend(f"{module}.{attribute}" for module, attribute in missed)
+        if failed:
+            reason = f"{reason}; could not rebind {', '.join(failed)}"
+        entry.switch.removed = False
+        entry.switch.update()
+        entry.applied_reason = reason
+        self._set(entry, APPLIED, reason)
+        return None
+
+    def _remove(self, entry: _Entry) -> None:
+        for module, attribute, handle, original in entry.rebound:
+            wrapping.unbind([(module, attribute)], handle, original)
+        entry.rebound.clear()
+        stuck = []
+        for module, path, handle, _original in reversed(entry.layers):
+            problem = wrapping.remove(module, path, handle)
+            if problem:
+                stuck.append(problem)
+        entry.layers.clear()
+        # A layer that could not be spliced out stays in place, inert, until it is adopted again.
+        entry.switch.removed = True
+        entry.switch.update()
+        if stuck:
+            log.warning("%s: left in place switched off: %s", entry.patch.name, "; ".join(stuck))

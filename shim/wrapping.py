@@ -1,0 +1,112 @@
+"""Installing and removing the shim's own wrapt layer on one target attribute.
+
+The sentinel that makes application idempotent lives on the wrapper in the target, not in the
+shim's module state: a reloaded ``shim`` or a second registry finds the layer already there with
+``wrapt.find_wrapper`` and adopts it instead of adding another.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from typing import Callable, Optional
+
+import wrapt
+
+# Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
+_PATCH_ATTRIBUTE = "_self_shim_patch"
+_SWITCH_ATTRIBUTE = "_self_shim_switch"
+
+
+class Switch:
+    """The runtime on/off state of one patch, handed to wrapt as the wrapper's ``enabled``.
+
+    wrapt evaluates it on every call, so flipping it acts at once, even when other wrappers sit
+    on top of ours. ``on`` is kept precomputed so the per-call check is one attribute read.
+    """
+
+    __slots__ = ("disabled", "suspended", "removed", "on")
+
+    def __init__(self) -> None:
+        self.disabled = False  # shim.disable() / shim.enable()
+        self.suspended = 0  # nesting depth of shim.disabled() blocks
+        self.removed = False  # deactivated, but a layer could not be spliced out
+        self.on = True
+
+    def __bool__(self) -> bool:
+        return self.on
+
+    def update(self) -> None:
+        self.on = not (self.disabled or self.suspended or self.removed)
+
+
+def patch_name_of(entry: object) -> Optional[str]:
+    """The patch name stored on ``entry`` if it is a shim wrapper (never looked up through proxies)."""
+    try:
+        return object.__getattribute__(entry, _PATCH_ATTRIBUTE)
+    except (AttributeError, TypeError):
+        return None
+
+
+def find_shim_wrapper(obj: object, name: str):
+    """Our wrapper for patch ``name`` anywhere in ``obj``'s wrapper chain, or ``None``."""
+    return wrapt.find_wrapper(obj, predicate=lambda entry: patch_name_of(entry) == name)
+
+
+def switch_of(wrapper: object) -> Switch:
+    return object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
+
+
+def install(module: object, path: str, name: str, wrapper: Callable, switch: Switch):
+    """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle."""
+
+    def factory(original):
+        layer = wrapt.FunctionWrapper(original, wrapper, enabled=switch)
+        setattr(layer, _PATCH_ATTRIBUTE, name)
+        setattr(layer, _SWITCH_ATTRIBUTE, switch)
+        return layer
+
+    return wrapt.wrap_object(module, path, factory)
+
+
+def remove(module: object, path: str, handle: object) -> Optional[str]:
+    """Remove our layer only, whatever sits above it; returns a reason when it cannot be removed."""
+    try:
+        wrapt.unwrap_object(module, path, handle, missing_ok=True)
+    except wrapt.WrapperNotOutermostError as exc:
+        # A non-wrapt wrapper (e.g. a functools.wraps closure) holds ours: it cannot be spliced
+        # out, so it stays in place switched off, which makes it a plain pass-through.
+        return str(exc)
+    return None
+
+
+def rebind(patterns: tuple[str, ...], original: object, replacement: object):
+    """Point module-level names equal to ``original`` in modules matching ``patterns`` at ``replacement``.
+
+    Returns ``(rebound, failed)``: ``(module, attribute)`` pairs, so the rebinding can be undone.
+    """
+    rebound, failed = [], []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not any(fnmatch.fnmatchcase(module_name, p) for p in patterns):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for attribute, value in list(namespace.items()):
+            if value is not original:
+                continue
+            try:
+                setattr(module, attribute, replacement)
+            except Exception:  # a module that refuses assignment: reported in the status reason
+                failed.append((module_name, attribute))
+            else:
+                rebound.append((module, attribute))
+    return rebound, failed
+
+
+def unbind(rebound, replacement: object, original: object) -> None:
+    """Undo :func:`rebind` where the name still points at our replacement."""
+    for module, attribute in rebound:
+        if getattr(module, attribute, None) is replacement:
+            setattr(module, attribute, original)
