@@ -1,0 +1,48 @@
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import shim  # noqa: F401  (the shim is active for every in-process test, as for a user)
+
+ROOT = Path(__file__).resolve().parents[1]
+_counter = itertools.count()
+
+
+@pytest.fixture
+def fake_modules(tmp_path, monkeypatch):
+    """Write throwaway modules to a temp dir; names are unique per test because wrapt's
+    post-import hooks are process-wide and never forgotten."""
+
+    def make(**sources: str) -> str:
+        prefix = f"fake{next(_counter)}_{os.getpid()}"
+        package = tmp_path / prefix
+        package.mkdir()
+        (package / "__init__.py").write_text('__version__ = "1.2.0"\n')
+        for name, source in sources.items():
+            (package / f"{name}.py").write_text(textwrap.dedent(source))
+        return prefix
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make
+
+
+def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the SHIM_* variables only from ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
+    clean.update(env or {})
+    clean["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
+    return result

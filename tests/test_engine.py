@@ -1,0 +1,389 @@
+"""The registry engine on throwaway modules: no torch, no transformers."""
+
+import functools
+import importlib
+import logging
+import sys
+import threading
+import types
+
+import pytest
+import wrapt
+
+from shim import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Patch, PatchError, Registry, ShimWarning, Target
+from shim import settings, versions
+from shim.wrapping import patch_name_of
+
+TARGET = """
+def f(x):
+    return x
+
+def g(x):
+    return -x
+"""
+
+
+def tagging(tag):
+    def wrapper(wrapped, instance, args, kwargs):
+        return (tag, wrapped(*args, **kwargs))
+
+    return wrapper
+
+
+def make_patch(pkg, *paths, name="demo", requires=">=1.0", **extra):
+    paths = paths or ("target:f",)
+    targets = tuple(Target(f"{pkg}.{path}", tagging(name)) for path in paths)
+    return Patch(name=name, summary="demo", distribution=pkg, requires=requires, targets=targets, **extra)
+
+
+def shim_layers(obj):
+    return [entry for entry in wrapt.wrapper_chain(obj) if patch_name_of(entry)]
+
+
+def state(registry, name="demo"):
+    return next((s.state, s.reason) for s in registry.status() if s.name == name)
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(settings, "_warned", set())
+    for variable in ("SHIM_DISABLE", "SHIM_FORCE", "SHIM_STRICT"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+def test_activation_is_lazy_and_applies_on_first_import(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    assert f"{pkg}.target" not in sys.modules, "activation must never import a target"
+    assert state(registry)[0] == PENDING
+    assert f"{pkg}.target is imported" in state(registry)[1]
+
+    module = importlib.import_module(f"{pkg}.target")
+
+    assert module.f(2) == ("demo", 2)
+    assert state(registry) == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")
+
+
+def test_applies_at_once_when_target_already_imported(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg)])
+    assert module.f(2) == 2
+    registry.activate()
+    assert module.f(2) == ("demo", 2)
+
+
+def test_patch_waits_for_all_its_target_modules(fake_modules):
+    pkg = fake_modules(a=TARGET, b=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:f")])
+    registry.activate()
+    a = importlib.import_module(f"{pkg}.a")
+    assert a.f(1) == 1 and state(registry)[0] == PENDING
+    b = importlib.import_module(f"{pkg}.b")
+    assert (a.f(1), b.f(1)) == (("demo", 1), ("demo", 1))
+
+
+def test_one_layer_however_often_and_by_whomever_activated(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    first, second = Registry([make_patch(pkg)]), Registry([make_patch(pkg)])
+    first.activate()
+    first.activate()
+    second.activate()
+    second.enable()
+    assert len(shim_layers(module.f)) == 1
+    assert module.f(3) == ("demo", 3)
+    # The second registry adopted the layer, so its switch reaches it.
+    second.disable("demo")
+    assert module.f(3) == 3
+    second.deactivate()
+    assert shim_layers(module.f) == [] and module.f(3) == 3
+
+
+def test_deactivate_removes_only_our_layer_under_a_third_party_wrapper(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    wrapt.wrap_function_wrapper(module, "f", tagging("theirs"))
+    assert module.f(1) == ("theirs", ("demo", 1))
+
+    registry.deactivate()
+
+    assert module.f(1) == ("theirs", 1)
+    assert shim_layers(module.f) == []
+    assert state(registry)[0] == DISABLED
+
+
+def test_deactivate_under_a_plain_closure_leaves_our_layer_inert(fake_modules, caplog):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    inner = module.f
+
+    @functools.wraps(inner)
+    def closure(x):
+        return ("closure", inner(x))
+
+    module.f = closure
+    with caplog.at_level(logging.WARNING, logger="shim"):
+        registry.deactivate()
+    assert module.f(1) == ("closure", 1)
+    assert "left in place switched off" in caplog.text
+    registry.activate()  # adopts the stranded layer instead of stacking a second one
+    assert module.f(1) == ("closure", ("demo", 1))
+    assert len(shim_layers(module.f)) == 1
+
+
+def test_runtime_switch_acts_at_once_under_a_third_party_wrapper(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg), make_patch(pkg, "target:g", name="other")])
+    registry.activate()
+    wrapt.wrap_function_wrapper(module, "f", tagging("theirs"))
+
+    registry.disable("demo")
+    assert module.f(1) == ("theirs", 1)
+    assert state(registry)[0] == DISABLED and not registry.is_on("demo")
+    registry.enable("demo")
+    assert module.f(1) == ("theirs", ("demo", 1))
+    assert state(registry)[0] == APPLIED and len(shim_layers(module.f)) == 1
+
+    with registry.disabled("demo"):
+        assert module.f(1) == ("theirs", 1)
+        assert module.g(1) == ("other", -1)
+        with registry.disabled():
+            assert module.g(1) == -1
+        assert module.f(1) == ("theirs", 1)
+    assert module.f(1) == ("theirs", ("demo", 1))
+    with pytest.raises(KeyError, match="no patch named 'nope'"):
+        registry.disable("nope")
+
+
+def test_missing_second_target_wraps_nothing(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg, "target:f", "target:missing")])
+    registry.activate()
+    assert module.f(1) == 1
+    assert state(registry) == (SKIPPED, f"target {pkg}.target:missing does not exist in 1.2.0")
+
+
+def test_failure_on_second_target_rolls_back_the_first(fake_modules):
+    pkg = fake_modules(
+        target=TARGET
+        + """
+class ReadOnly:
+    def __init__(self):
+        object.__setattr__(self, "h", lambda: 1)
+    def __setattr__(self, name, value):
+        raise AttributeError("read-only holder")
+
+holder = ReadOnly()
+"""
+    )
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg, "target:f", "target:holder.h")])
+    registry.activate()
+    assert module.f(1) == 1 and shim_layers(module.f) == []
+    current, reason = state(registry)
+    assert current == FAILED and "read-only holder" in reason and "rolled back" in reason
+
+
+def test_version_gate_force_and_dev_builds(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg, requires=">=2.0")])
+    registry.activate()
+    assert state(registry) == (SKIPPED, f"{pkg} 1.2.0 is outside >=2.0")
+    assert module.f(1) == 1
+
+    monkeypatch.setenv("SHIM_FORCE", "demo")
+    forced = Registry([make_patch(pkg, requires=">=2.0")])
+    forced.activate()
+    assert module.f(1) == ("demo", 1)
+    assert "applied anyway because of SHIM_FORCE" in state(forced)[1]
+
+
+@pytest.mark.parametrize(
+    "installed, gated_as, admitted",
+    [("5.25.0.dev0", "5.25.0", False), ("5.0.0rc1", "5.0.0", True), ("5.24.0+local", "5.24.0", True)],
+)
+def test_pre_dev_and_local_builds_are_gated_as_their_release(monkeypatch, installed, gated_as, admitted):
+    monkeypatch.setitem(sys.modules, "gatedist", types.SimpleNamespace(__version__=installed))
+    decision = versions.decide("gatedist", make_patch("x", requires=">=5.0,<5.25").specifier)
+    assert (decision.gated_as, decision.admitted) == (gated_as, admitted)
+    assert f"{installed} (gated as {gated_as})" in decision.reason
+
+
+@pytest.mark.parametrize("value", ["all", "1", "true", "*", "ALL"])
+def test_shim_disable_all(fake_modules, monkeypatch, value):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", value)
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1
+    assert state(registry) == (DISABLED, "opted out with SHIM_DISABLE=all")
+
+
+def test_shim_disable_list_and_explicit_enable(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", " demo , other")
+    registry = Registry([make_patch(pkg), make_patch(pkg, "target:g", name="other"), make_patch(pkg, "target:g", name="third")])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1
+    assert module.g(1) == ("third", -1)
+    assert state(registry) == (DISABLED, "opted out with SHIM_DISABLE=demo")
+    registry.enable("demo")  # the API is explicit and wins over the environment
+    assert module.f(1) == ("demo", 1)
+
+
+def test_unknown_patch_name_warns_once_with_the_closest_names(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", "dmeo")
+    registry = Registry([make_patch(pkg)])
+    with pytest.warns(ShimWarning, match="unknown patch 'dmeo'; did you mean demo"):
+        registry.activate()
+    importlib.import_module(f"{pkg}.target")  # read again on apply: no second warning
+    assert len(settings._warned) == 1
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        ("SHIM_DISABLE", "demo;rm -rf", "expected 'all', a comma-separated list of patch names"),
+        ("SHIM_STRICT", "maybe", "use one of"),
+        ("SHIM_LOG_LEVEL", "LOUD", "use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ],
+)
+def test_invalid_values_warn_list_the_valid_ones_and_use_the_default(fake_modules, monkeypatch, variable, value, expected):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv(variable, value)
+    registry = Registry([make_patch(pkg)])
+    with pytest.warns(ShimWarning, match=expected):
+        settings.configure_logging()
+        registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == ("demo", 1)  # the default: applied, not strict
+
+
+def test_strict_mode_raises_on_apply_failures_only(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET, later=TARGET)
+    importlib.import_module(f"{pkg}.target")
+    monkeypatch.setenv("SHIM_STRICT", "1")
+    with pytest.raises(PatchError, match="'demo' did not apply: target .*:missing does not exist"):
+        Registry([make_patch(pkg, "target:missing")]).activate()
+    # Lazily: the error surfaces in the import that triggers the patch, as the user asked.
+    Registry([make_patch(pkg, "later:missing")]).activate()
+    with pytest.raises(PatchError):
+        importlib.import_module(f"{pkg}.later")
+    # Outside its version gate a patch is not needed: that is never an error.
+    Registry([make_patch(pkg, requires=">=9")]).activate()
+
+
+def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypatch, caplog):
+    pkg = fake_modules(target=TARGET, other=TARGET)
+
+    def exploding_probe():
+        raise RuntimeError("boom")
+
+    registry = Registry([make_patch(pkg, probe=exploding_probe)])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1
+    assert state(registry) == (SKIPPED, f"shape probe raised RuntimeError('boom') ({pkg} 1.2.0 is inside >=1.0)")
+
+    broken = Registry([make_patch(pkg, "other:f")])
+    broken.activate()
+    monkeypatch.setattr(versions, "decide", lambda *a: 1 / 0)
+    with caplog.at_level(logging.ERROR, logger="shim"):
+        other = importlib.import_module(f"{pkg}.other")
+    assert other.f(1) == 1
+    assert "unexpected error in the post-import hook" in caplog.text
+
+
+def test_probe_reason_is_shown(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    registry = Registry([make_patch(pkg, probe=lambda: "signature changed: f(y)")])
+    registry.activate()
+    importlib.import_module(f"{pkg}.target")
+    assert state(registry) == (SKIPPED, f"signature changed: f(y) ({pkg} 1.2.0 is inside >=1.0)")
+
+
+def test_consumers_bound_before_the_patch_are_rebound_and_restored(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET, consumer="from .target import f as imported_f\n")
+    target = importlib.import_module(f"{pkg}.target")
+    consumer = importlib.import_module(f"{pkg}.consumer")
+    original = target.f
+
+    class Stubborn(types.ModuleType):
+        def __setattr__(self, name, value):
+            raise AttributeError("frozen module")
+
+    stubborn = Stubborn(f"{pkg}.stubborn")
+    object.__setattr__(stubborn, "f", original)
+    monkeypatch.setitem(sys.modules, f"{pkg}.stubborn", stubborn)
+
+    registry = Registry([make_patch(pkg, consumers=(f"{pkg}.consumer", f"{pkg}.stub*"))])
+    registry.activate()
+    assert consumer.imported_f(1) == ("demo", 1)
+    assert f"could not rebind {pkg}.stubborn.f" in state(registry)[1]
+
+    registry.deactivate()
+    assert consumer.imported_f is original
+
+
+def test_eight_threads_importing_a_target_at_once_add_one_layer(fake_modules):
+    pkg = fake_modules(target="import time\ntime.sleep(0.05)\n" + TARGET)
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def worker():
+        try:
+            barrier.wait()
+            importlib.import_module(f"{pkg}.target")
+            registry.activate()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    module = sys.modules[f"{pkg}.target"]
+    assert len(shim_layers(module.f)) == 1 and module.f(1) == ("demo", 1)
+
+
+def test_register_rejects_a_different_patch_under_a_known_name(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    registry = Registry([make_patch(pkg)])
+    registry.register(registry.patch("demo"))  # the same patch again is fine
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(make_patch(pkg, "target:g"))
+
+
+def test_patch_declarations_are_validated():
+    with pytest.raises(ValueError, match="kebab-case"):
+        make_patch("pkg", name="Not_Kebab")
+    with pytest.raises(ValueError, match="PEP 440"):
+        make_patch("pkg", requires="five or later")
+    with pytest.raises(ValueError, match="not of the form"):
+        Target("no-colon", tagging("x"))
+
+
+def test_shim_register_puts_a_users_patch_in_the_process_registry(fake_modules):
+    import shim
+
+    pkg = fake_modules(target=TARGET)
+    shim.register(make_patch(pkg, name=f"user-{pkg.replace('_', '-')}"))
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1)[1] == 1
+    assert any(s.name.startswith("user-") and s.state == APPLIED for s in shim.status())

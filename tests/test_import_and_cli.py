@@ -1,0 +1,128 @@
+"""The shim as a user meets it, each case in a fresh interpreter on the real transformers."""
+
+import json
+
+import pytest
+import transformers
+from packaging.version import Version
+
+from shim import Patch, Registry, Target, doctor
+from tests.conftest import run_python
+
+NAME = "load-keeps-requires-grad"
+
+ROUND_TRIP = """
+import json, tempfile
+import shim
+from patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
+from shim.selfcheck import quiet_transformers, tiny_llama_config
+quiet_transformers()
+model_class = frozen_llama_class()
+model = model_class(tiny_llama_config())
+with tempfile.TemporaryDirectory() as directory:
+    model.save_pretrained(directory)
+    loaded = model_class.from_pretrained(directory)
+state = {s.name: s.state for s in shim.status()}["load-keeps-requires-grad"]
+print(json.dumps({"kept": requires_grad_map(loaded) == requires_grad_map(model), "state": state}))
+"""
+
+
+def round_trip(first_import: str, env=None) -> dict:
+    output = run_python(first_import + "\n" + ROUND_TRIP, env=env).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def test_import_shim_first_fixes_b1():
+    assert round_trip("import shim\nimport transformers") == {"kept": True, "state": "applied"}
+
+
+def test_import_transformers_first_fixes_b1():
+    first = "import transformers, transformers.modeling_utils, transformers.core_model_loading\nimport shim"
+    assert round_trip(first) == {"kept": True, "state": "applied"}
+
+
+@pytest.mark.parametrize("value", ["all", NAME])
+def test_shim_disable_shows_the_bug_again(value):
+    assert round_trip("import shim", env={"SHIM_DISABLE": value}) == {"kept": False, "state": "disabled"}
+
+
+def test_import_shim_imports_neither_torch_nor_transformers():
+    code = """
+    import sys
+    import shim
+    heavy = sorted(m for m in ("torch", "transformers", "trl", "peft") if m in sys.modules)
+    print(heavy)
+    """
+    assert run_python(code).stdout.strip() == "[]"
+
+
+def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
+    code = """
+    import importlib, wrapt, shim
+    import transformers.modeling_utils, transformers.core_model_loading as loading
+    from shim.wrapping import patch_name_of
+    importlib.reload(shim)
+    importlib.reload(shim)
+    shim.activate()
+    layers = lambda: sum(1 for e in wrapt.wrapper_chain(loading.set_param_for_module) if patch_name_of(e))
+    print(layers())
+    shim.deactivate()
+    print(layers())
+    """
+    assert run_python(code).stdout.split() == ["1", "0"]
+
+
+def test_local_patches_module_shadowing_ours_is_reported(tmp_path):
+    (tmp_path / "patches.py").write_text("x = 1\n")
+    code = f"""
+    import sys, warnings
+    sys.path.insert(0, {str(tmp_path)!r})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import shim
+    print([str(w.message) for w in caught])
+    print(shim.status())
+    """
+    out = run_python(code).stdout
+    assert "shadows hf-train-shim's own 'patches' package" in out and "patches.py" in out
+    assert out.strip().endswith("[]")
+
+
+def test_status_cli_json_and_table():
+    records = json.loads(run_python("from shim.cli import main; main(['--json', '--import-targets'])").stdout)
+    record = next(r for r in records if r["name"] == NAME)
+    installed = Version(transformers.__version__)
+    assert record["installed"] == transformers.__version__
+    assert record["state"] == ("applied" if installed >= Version("5.0") else "skipped")
+    assert record["targets"][0] == "transformers.core_model_loading:set_param_for_module"
+    table = run_python("from shim.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}).stdout
+    row = next(line for line in table.splitlines() if line.startswith(NAME))
+    assert row.split()[1] == "disabled" and "opted out with SHIM_DISABLE=all" in row
+
+
+def test_doctor_reports_b1_present_upstream_and_fixed():
+    out = run_python("from shim.cli import main; raise SystemExit(main(['doctor', '--json']))").stdout
+    finding = next(f for f in json.loads(out) if f["name"] == NAME)
+    expected = ("yes", "no", "fixed") if Version(transformers.__version__) >= Version("5.0") else ("no", "no", "not affected")
+    assert (finding["bug_upstream"], finding["bug_with_shim"], finding["verdict"]) == expected
+
+
+def test_doctor_flags_a_patch_that_does_not_fix_its_bug(fake_modules):
+    pkg = fake_modules(target="def f():\n    return 1\n")
+    import importlib
+
+    module = importlib.import_module(f"{pkg}.target")
+
+    def no_op(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    registry = Registry(
+        [
+            Patch("broken", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: module.f() == 1),
+            Patch("fine", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: False),
+            Patch("not-needed", "s", pkg, ">=9", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: False),
+        ]
+    )
+    registry.activate()
+    verdicts = {f.name: f.verdict for f in doctor.run(registry)}
+    assert verdicts == {"broken": doctor.NOT_FIXED, "fine": doctor.NOT_REPRODUCED, "not-needed": doctor.NOT_AFFECTED}

@@ -1,0 +1,114 @@
+"""B1 on the installed transformers: loading must not unfreeze parameters.
+
+Every test first shows the bug with the patch switched off, then the fix with it on.
+"""
+
+import tempfile
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings, strategies as st
+from packaging.version import Version
+
+import shim
+from patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
+from shim.selfcheck import quiet_transformers, tiny_llama_config
+
+NAME = "load-keeps-requires-grad"
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.0"),
+    reason="version rule: B1 exists from transformers 5.0 (4.x loads with load_state_dict(assign=True))",
+)
+quiet_transformers()
+
+
+def round_trip(model_class, model, save_model=None):
+    """Save ``save_model`` (default: ``model``) and load it back as ``model_class``, patch off and on."""
+    with tempfile.TemporaryDirectory() as directory:
+        (save_model or model).save_pretrained(directory)
+        with shim.disabled(NAME):
+            upstream = model_class.from_pretrained(directory)
+        patched = model_class.from_pretrained(directory)
+    return upstream, patched
+
+
+def test_patch_is_applied():
+    assert shim.registry.is_on(NAME)
+
+
+def test_frozen_in_init_stays_frozen():
+    model_class = frozen_llama_class()
+    model = model_class(tiny_llama_config())
+    expected = requires_grad_map(model)
+    assert list(expected.values()).count(False) == 10
+
+    upstream, patched = round_trip(model_class, model)
+
+    assert list(requires_grad_map(upstream).values()).count(False) == 0, "bug: upstream unfreezes everything"
+    assert requires_grad_map(patched) == expected
+
+
+def test_frozen_parameter_missing_from_the_checkpoint_stays_frozen():
+    class WithFrozenDraftHead(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.draft_head = torch.nn.Linear(config.hidden_size, config.hidden_size)
+            self.draft_head.requires_grad_(False)
+            self.post_init()
+
+    config = tiny_llama_config()
+    expected = requires_grad_map(WithFrozenDraftHead(config))
+    # The checkpoint has no draft_head: it is created by transformers' missing-key path.
+    upstream, patched = round_trip(WithFrozenDraftHead, None, save_model=transformers.LlamaForCausalLM(config))
+
+    assert upstream.draft_head.weight.requires_grad, "bug: upstream unfreezes the missing parameter"
+    assert requires_grad_map(patched) == expected
+    assert not patched.draft_head.weight.requires_grad and not patched.draft_head.bias.requires_grad
+
+
+def test_tied_embeddings_stay_frozen_and_tied():
+    class FrozenTiedEmbeddings(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.embed_tokens.requires_grad_(False)
+
+    model = FrozenTiedEmbeddings(tiny_llama_config(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    upstream, patched = round_trip(FrozenTiedEmbeddings, model)
+
+    assert upstream.lm_head.weight.requires_grad, "bug: upstream unfreezes tied embeddings"
+    assert patched.lm_head.weight is patched.model.embed_tokens.weight
+    assert not patched.model.embed_tokens.weight.requires_grad
+    assert requires_grad_map(patched) == requires_grad_map(model)
+
+
+def test_trainable_and_buffers_untouched():
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    _, patched = round_trip(transformers.LlamaForCausalLM, model)
+    assert all(requires_grad_map(patched).values())
+    assert {n for n, _ in patched.named_buffers()} == {n for n, _ in model.named_buffers()}
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(patched.state_dict()[name], value)
+
+
+_NAMES = list(requires_grad_map(transformers.LlamaForCausalLM(tiny_llama_config())))
+
+
+@settings(max_examples=12, deadline=None)
+@given(mask=st.lists(st.booleans(), min_size=len(_NAMES), max_size=len(_NAMES)).filter(lambda m: not all(m)))
+def test_random_freeze_masks_survive_loading(mask):
+    frozen = {name for name, trainable in zip(_NAMES, mask) if not trainable}
+
+    class Masked(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            for name, parameter in self.named_parameters():
+                parameter.requires_grad_(name not in frozen)
+
+    model = Masked(tiny_llama_config())
+    upstream, patched = round_trip(Masked, model)
+
+    assert all(requires_grad_map(upstream).values()), "bug: upstream unfreezes every masked parameter"
+    assert requires_grad_map(patched) == requires_grad_map(model)
