@@ -19,8 +19,6 @@ parameters, stable across them, are used.
 
 from __future__ import annotations
 
-import sys
-
 from shim import Patch, Target
 
 from ._arguments import argument, leading_parameters
@@ -52,14 +50,6 @@ def _load_parameter_into_model(wrapped, instance, args, kwargs):
     model = argument(args, kwargs, 0, "model")
     param_name = argument(args, kwargs, 1, "param_name")
     return _load_keeping_frozen(wrapped, args, kwargs, model, param_name)
-
-
-def _probe():
-    loading = sys.modules["transformers.core_model_loading"]
-    modeling = sys.modules["transformers.modeling_utils"]
-    return leading_parameters(
-        loading.set_param_for_module, ("model", "target_name", "param_value")
-    ) or leading_parameters(modeling._load_parameter_into_model, ("model", "param_name", "tensor"))
 
 
 def frozen_llama_class():
@@ -99,10 +89,17 @@ PATCH = Patch(
     distribution="transformers",
     requires=">=5.0",
     targets=(
-        Target("transformers.core_model_loading:set_param_for_module", _set_param_for_module),
-        Target("transformers.modeling_utils:_load_parameter_into_model", _load_parameter_into_model),
+        Target(
+            "transformers.core_model_loading:set_param_for_module",
+            _set_param_for_module,
+            probe=lambda original: leading_parameters(original, ("model", "target_name", "param_value")),
+        ),
+        Target(
+            "transformers.modeling_utils:_load_parameter_into_model",
+            _load_parameter_into_model,
+            probe=lambda original: leading_parameters(original, ("model", "param_name", "tensor")),
+        ),
     ),
     references=("../shared/upstream-bugs.md#B1",),
-    probe=_probe,
     self_check=_self_check,
 )

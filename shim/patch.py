@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
@@ -21,14 +22,28 @@ _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
 
 @dataclass(frozen=True)
 class Target:
-    """One attribute to wrap, written ``"package.module:attribute.path"``."""
+    """One attribute to wrap, written ``"package.module:attribute.path"``.
+
+    ``requires`` narrows where this target is needed, as a requirement such as
+    ``"transformers>=5.23"`` or ``"trl>=0.26"``; outside it the target is left alone (that is not an
+    error). ``probe(original)`` returns ``None`` when the object to wrap still has the shape the
+    wrapper expects, or a short reason; a reason skips the whole patch.
+    """
 
     spec: str
     wrapper: Wrapper
+    requires: str = ""
+    probe: Optional[Callable[[object], Optional[str]]] = None
+    requirement: Optional[Requirement] = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.spec):
             raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
+        if self.requires:
+            try:
+                object.__setattr__(self, "requirement", Requirement(self.requires))
+            except InvalidRequirement as exc:
+                raise ValueError(f"target {self.spec!r}: {self.requires!r} is not a requirement like 'trl>=0.26'") from exc
 
     @property
     def module(self) -> str:
@@ -43,9 +58,9 @@ class Target:
 class Patch:
     """A fix for one upstream bug.
 
-    ``probe`` is called once, when every target module is imported and the version gate passed; it
-    returns ``None`` when the code still has the shape the wrappers expect, or a short reason to skip.
-    ``self_check`` is used by ``python -m shim doctor``: it builds a tiny case in code and returns
+    ``distribution`` and ``requires`` are the patch's version gate. Targets are applied module by
+    module, each right after its module is imported; if one fails, those already applied are
+    removed again. ``self_check`` is used by ``python -m shim doctor``: it builds a tiny case in code and returns
     ``True`` when the bug shows. ``consumers`` are ``fnmatch`` patterns of module names whose
     module-level references to a target are rebound to the wrapper while the patch is applied
     (for modules that did ``from target import name`` before the shim could wrap it).
@@ -57,7 +72,6 @@ class Patch:
     requires: str
     targets: tuple[Target, ...]
     references: tuple[str, ...] = ()
-    probe: Optional[Callable[[], Optional[str]]] = None
     self_check: Optional[Callable[[], bool]] = None
     consumers: tuple[str, ...] = ()
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)

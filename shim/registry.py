@@ -53,7 +53,11 @@ class _Entry:
     layers: list = field(default_factory=list)
     rebound: list = field(default_factory=list)
     hooked: set = field(default_factory=set)
+    done_modules: set = field(default_factory=set)
+    gate: Optional[versions.GateDecision] = None
+    notes: list = field(default_factory=list)
     applied_reason: str = ""
+    settled: bool = False  # skipped or failed for good (until deactivate/activate)
 
 
 class Registry:
@@ -105,6 +109,9 @@ class Registry:
             self._active = False
             for entry in self._entries.values():
                 self._remove(entry)
+                entry.done_modules.clear()
+                entry.notes.clear()
+                entry.settled = False
                 self._set(entry, DISABLED, "shim.deactivate() was called")
 
     def enable(self, *names: str) -> None:
@@ -206,20 +213,21 @@ class Registry:
         waiting = ()
         with self._lock:
             entry = self._entries[name]
-            if not self._active or entry.state == APPLIED or entry.switch.disabled:
+            if not self._active or entry.settled or entry.switch.disabled:
                 return
             config = settings.read(self._entries)
-            if (config.disable_all or name in config.disabled) and not explicit:
+            if (config.disable_all or name in config.disabled) and not explicit and not entry.layers:
                 variable = "SHIM_DISABLE=all" if config.disable_all else f"SHIM_DISABLE={name}"
                 self._set(entry, DISABLED, f"opted out with {variable}")
                 return
-            waiting = tuple(m for m in entry.patch.modules if m not in sys.modules)
-            if waiting:
-                self._set(entry, PENDING, f"applies when {', '.join(waiting)} is imported")
-            else:
-                problem = self._apply(entry, forced=name in config.forced)
-                if problem is not None and config.strict:
-                    raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
+            todo = [m for m in entry.patch.modules if m not in entry.done_modules]
+            ready = [m for m in todo if m in sys.modules]
+            waiting = tuple(m for m in todo if m not in sys.modules)
+            problem = self._apply_modules(entry, ready, forced=name in config.forced) if ready else None
+            if not entry.settled:
+                self._settle_state(entry, waiting)
+            if problem is not None and config.strict:
+                raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
         # Registering outside the lock: wrapt may run the hook at once if another thread just
         # finished the import, and the hook takes the lock itself.
         for module_name in waiting:
@@ -227,41 +235,61 @@ class Registry:
                 entry.hooked.add(module_name)
                 wrapt.register_post_import_hook(lambda module, n=name: self._on_import(n, module), module_name)
 
-    def _apply(self, entry: _Entry, forced: bool) -> Optional[str]:
-        """Gate, probe and wrap every target; returns a problem text when strict mode should raise."""
+    def _settle_state(self, entry: _Entry, waiting: tuple[str, ...]) -> None:
+        later = f"applies when {', '.join(waiting)} is imported" if waiting else ""
+        if entry.layers:
+            self._set(entry, APPLIED, "; ".join(filter(None, [entry.applied_reason, later and f"the rest {later}"])))
+        elif waiting:
+            self._set(entry, PENDING, later)
+        else:
+            self._give_up(entry, SKIPPED, "; ".join(entry.notes) or "no target applies")
+
+    def _give_up(self, entry: _Entry, state: str, reason: str) -> str:
+        """Remove whatever the patch already wrapped and settle it as skipped or failed."""
+        self._remove(entry)
+        entry.settled = True
+        self._set(entry, state, reason)
+        return reason
+
+    def _apply_modules(self, entry: _Entry, module_names: list[str], forced: bool) -> Optional[str]:
+        """Gate, probe and wrap the targets in ``module_names``; returns a problem for strict mode."""
         patch = entry.patch
-        if entry.layers:  # switched back on after shim.disable(): the layers never left
-            self._set(entry, APPLIED, entry.applied_reason)
-            return None
-        decision = versions.decide(patch.distribution, patch.specifier)
-        entry.installed = decision.installed
-        reason = decision.reason
-        if not decision.admitted:
-            if not forced or decision.gated_as is None:
-                self._set(entry, SKIPPED, reason)
+        if entry.gate is None:
+            entry.gate = versions.decide(patch.distribution, patch.specifier)
+            entry.installed = entry.gate.installed
+        gate = entry.gate
+        if not gate.admitted:
+            if not forced or gate.gated_as is None:
+                self._give_up(entry, SKIPPED, gate.reason)
                 return None
-            reason = f"{reason}, applied anyway because of SHIM_FORCE"
+            entry.applied_reason = f"{gate.reason}, applied anyway because of SHIM_FORCE"
+        else:
+            entry.applied_reason = gate.reason
 
         resolved = []
         for target in patch.targets:
+            if target.module not in module_names:
+                continue
+            if target.requirement is not None:
+                decision = versions.decide(target.requirement.name, target.requirement.specifier)
+                if not decision.admitted:
+                    entry.notes.append(f"{target.spec} not needed: {decision.reason}")
+                    continue
             module = sys.modules[target.module]
             try:
                 original = wrapt.resolve_path(module, target.path)[2]
             except wrapt.PathResolutionError:
-                problem = f"target {target.spec} does not exist in {decision.installed}"
-                self._set(entry, SKIPPED, problem)
-                return problem
+                return self._give_up(entry, SKIPPED, f"target {target.spec} does not exist in {gate.installed}")
+            if target.probe is not None:
+                try:
+                    problem = target.probe(original)
+                except Exception as exc:
+                    problem = f"shape probe raised {exc!r}"
+                if problem:
+                    return self._give_up(entry, SKIPPED, f"{problem} ({gate.reason})")
             resolved.append((target, module, original))
 
-        if patch.probe is not None:
-            try:
-                problem = patch.probe()
-            except Exception as exc:
-                problem = f"shape probe raised {exc!r}"
-            if problem:
-                self._set(entry, SKIPPED, f"{problem} ({reason})")
-                return problem
-
+        added = []
         try:
             for target, module, original in resolved:
                 handle = wrapping.find_shim_wrapper(original, patch.name)
@@ -272,25 +300,21 @@ class Registry:
                     original = handle.__wrapped__
                 else:
                     handle = wrapping.install(module, target.path, patch.name, target.wrapper, entry.switch)
-                entry.layers.append((module, target.path, handle, original))
+                layer = (module, target.path, handle, original)
+                entry.layers.append(layer)
+                added.append(layer)
         except Exception as exc:
-            self._remove(entry)
-            problem = f"wrapping failed and was rolled back: {exc!r}"
-            self._set(entry, FAILED, problem)
-            return problem
+            return self._give_up(entry, FAILED, f"wrapping failed and was rolled back: {exc!r}")
 
-        failed = []
-        if patch.consumers:
-            for _module, _path, handle, original in entry.layers:
-                rebound, missed = wrapping.rebind(patch.consumers, original, handle)
-                entry.rebound.extend((module, attribute, handle, original) for module, attribute in rebound)
-                failed.extend(f"{module}.{attribute}" for module, attribute in missed)
-        if failed:
-            reason = f"{reason}; could not rebind {', '.join(failed)}"
+        for _module, _path, handle, original in added if patch.consumers else ():
+            rebound, missed = wrapping.rebind(patch.consumers, original, handle)
+            entry.rebound.extend((module, attribute, handle, original) for module, attribute in rebound)
+            entry.notes.extend(f"could not rebind {module}.{attribute}" for module, attribute in missed)
+        entry.done_modules.update(module_names)
+        if entry.notes:
+            entry.applied_reason = "; ".join([entry.applied_reason, *entry.notes])
         entry.switch.removed = False
         entry.switch.update()
-        entry.applied_reason = reason
-        self._set(entry, APPLIED, reason)
         return None
 
     def _remove(self, entry: _Entry) -> None:

@@ -30,9 +30,9 @@ def tagging(tag):
     return wrapper
 
 
-def make_patch(pkg, *paths, name="demo", requires=">=1.0", **extra):
+def make_patch(pkg, *paths, name="demo", requires=">=1.0", probe=None, **extra):
     paths = paths or ("target:f",)
-    targets = tuple(Target(f"{pkg}.{path}", tagging(name)) for path in paths)
+    targets = tuple(Target(f"{pkg}.{path}", tagging(name), probe=probe) for path in paths)
     return Patch(name=name, summary="demo", distribution=pkg, requires=requires, targets=targets, **extra)
 
 
@@ -74,14 +74,51 @@ def test_applies_at_once_when_target_already_imported(fake_modules):
     assert module.f(2) == ("demo", 2)
 
 
-def test_patch_waits_for_all_its_target_modules(fake_modules):
+def test_targets_apply_module_by_module(fake_modules):
     pkg = fake_modules(a=TARGET, b=TARGET)
     registry = Registry([make_patch(pkg, "a:f", "b:f")])
     registry.activate()
     a = importlib.import_module(f"{pkg}.a")
-    assert a.f(1) == 1 and state(registry)[0] == PENDING
+    assert a.f(1) == ("demo", 1)
+    assert state(registry) == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0; the rest applies when {pkg}.b is imported")
     b = importlib.import_module(f"{pkg}.b")
-    assert (a.f(1), b.f(1)) == (("demo", 1), ("demo", 1))
+    assert b.f(1) == ("demo", 1)
+    assert state(registry) == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")
+
+
+def test_a_later_module_that_fails_rolls_back_the_earlier_ones(fake_modules):
+    pkg = fake_modules(a=TARGET, b=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:missing")])
+    registry.activate()
+    a = importlib.import_module(f"{pkg}.a")
+    assert a.f(1) == ("demo", 1)
+    importlib.import_module(f"{pkg}.b")
+    assert a.f(1) == 1 and shim_layers(a.f) == []
+    assert state(registry) == (SKIPPED, f"target {pkg}.b:missing does not exist in 1.2.0")
+
+
+def test_target_level_requirements_leave_unneeded_targets_alone(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setitem(sys.modules, "otherdist", types.SimpleNamespace(__version__="0.9"))
+    module = importlib.import_module(f"{pkg}.target")
+    patch = Patch(
+        name="demo",
+        summary="demo",
+        distribution=pkg,
+        requires=">=1.0",
+        targets=(
+            Target(f"{pkg}.target:f", tagging("demo"), requires="otherdist>=1.0"),
+            Target(f"{pkg}.target:g", tagging("demo"), requires=f"{pkg}>=1.0"),
+        ),
+    )
+    registry = Registry([patch])
+    registry.activate()
+    assert (module.f(1), module.g(1)) == (1, ("demo", -1))
+    assert f"{pkg}.target:f not needed: otherdist 0.9 is outside >=1.0" in state(registry)[1]
+
+    only_unneeded = Registry([Patch("demo", "demo", pkg, ">=1.0", (patch.targets[0],))])
+    only_unneeded.activate()
+    assert state(only_unneeded) == (SKIPPED, f"{pkg}.target:f not needed: otherdist 0.9 is outside >=1.0")
 
 
 def test_one_layer_however_often_and_by_whomever_activated(fake_modules):
@@ -288,7 +325,7 @@ def test_strict_mode_raises_on_apply_failures_only(fake_modules, monkeypatch):
 def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypatch, caplog):
     pkg = fake_modules(target=TARGET, other=TARGET)
 
-    def exploding_probe():
+    def exploding_probe(original):
         raise RuntimeError("boom")
 
     registry = Registry([make_patch(pkg, probe=exploding_probe)])
@@ -308,7 +345,7 @@ def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypat
 
 def test_probe_reason_is_shown(fake_modules):
     pkg = fake_modules(target=TARGET)
-    registry = Registry([make_patch(pkg, probe=lambda: "signature changed: f(y)")])
+    registry = Registry([make_patch(pkg, probe=lambda original: "signature changed: f(y)")])
     registry.activate()
     importlib.import_module(f"{pkg}.target")
     assert state(registry) == (SKIPPED, f"signature changed: f(y) ({pkg} 1.2.0 is inside >=1.0)")
