@@ -7,4 +7,11 @@ library at module level.
 #: Tells ``shim`` this is its own catalogue and not a user's module that happens to be called ``patches``.
 HF_TRAIN_SHIM_CATALOGUE = True
 
-MODULES = ("patches.load_keeps_requires_grad",)
+MODULES = (
+    "patches.load_keeps_requires_grad",
+    "patches.checkpointing_restore",
+    "patches.trl_restore_on_error",
+    "patches.checkpointing_call_signature",
+    "patches.checkpoint_kwargs_clean",
+    "patches.input_grad_hook_dedupe",
+)

@@ -7,6 +7,7 @@ switched off (does the bug show upstream?) and on (is it gone?).
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass
 
 from .registry import APPLIED, DISABLED, Registry
@@ -55,13 +56,17 @@ def examine(registry: Registry, name: str) -> Finding:
     if patch.self_check is None:
         return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
     try:
-        if status.state == APPLIED:
-            with registry.disabled(name):
+        with warnings.catch_warnings():
+            # Upstream's own deprecation notices (e.g. trl calling gradient_checkpointing_* on
+            # transformers >= 5.23) are not findings; keep the report readable.
+            warnings.simplefilter("ignore", FutureWarning)
+            if status.state == APPLIED:
+                with registry.disabled(name):
+                    upstream = patch.self_check()
+                fixed = not patch.self_check()
+            else:
                 upstream = patch.self_check()
-            fixed = not patch.self_check()
-        else:
-            upstream = patch.self_check()
-            fixed = not upstream
+                fixed = not upstream
     except Exception as exc:  # a broken check is a finding, not a crash of the whole report
         return Finding(name, installed, status.state, "-", "-", ERROR, repr(exc))
     if status.state == APPLIED:

@@ -1,0 +1,109 @@
+"""``checkpoint-kwargs-clean``: only checkpoint options reach ``torch.utils.checkpoint``.
+
+Upstream bug (B6): ``every_n_layers`` and ``offload`` are parameters of the enable method
+(transformers 5.16+ / 5.17+), but users and the Trainer keep them in
+``gradient_checkpointing_kwargs``. The Trainer pops them from a *copy*, so the training arguments
+still hold them, and trl passes that dict back on every re-enable: they land in the checkpoint
+partial's keywords. Reentrant steps then fail with ``ValueError: Unexpected keyword arguments:
+every_n_layers``; non-reentrant ones forward the key to the layer and the every-n pattern is lost.
+trl's ``selective`` key (SFT selective checkpointing, which trl's own wrapper handles) is another
+key that must never reach ``checkpoint``.
+
+The fix wraps the enable implementation (``PreTrainedModel.gradient_checkpointing_enable`` before
+5.23, ``PreTrainedModel._activation_checkpointing_enable`` from 5.23): those keys are taken out of
+the dict, and ``every_n_layers``/``offload`` are passed as the parameters they are where the
+installed transformers has them (a parameter given explicitly wins). Where it does not, they are
+dropped with a warning, since no transformers before 5.16 can honour them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+from shim import Patch, Target
+
+from ._arguments import argument
+
+log = logging.getLogger("shim")
+_PARAMETERS = ("every_n_layers", "offload")
+_NOT_FOR_CHECKPOINT = frozenset(_PARAMETERS + ("selective",))
+_DEFAULTS = {"every_n_layers": 1, "offload": False}
+
+
+def _cleaning_enable(kwargs_name: str):
+    def wrapper(wrapped, instance, args, kwargs):
+        config = argument(args, kwargs, 0, kwargs_name, None)
+        if not config or _NOT_FOR_CHECKPOINT.isdisjoint(config):
+            return wrapped(*args, **kwargs)
+        config = dict(config)
+        lifted = {name: config.pop(name) for name in _PARAMETERS if name in config}
+        config.pop("selective", None)
+        call = dict(kwargs)
+        call[kwargs_name] = config or None
+        positional = list(args[:1])
+        if positional:
+            positional[0] = call.pop(kwargs_name)
+        for index, name in enumerate(_PARAMETERS, start=1):
+            if len(args) > index:
+                call[name] = args[index]  # given positionally: explicit, it wins
+        supported = _supported_parameters(wrapped)
+        for name, value in lifted.items():
+            if name in supported:
+                if call.get(name, _DEFAULTS[name]) == _DEFAULTS[name]:
+                    call[name] = value
+            else:
+                log.warning(
+                    "checkpoint-kwargs-clean: transformers %s has no %s parameter; dropped %s=%r from the "
+                    "checkpointing kwargs instead of passing it to torch.utils.checkpoint",
+                    getattr(sys.modules.get("transformers"), "__version__", "?"), name, name, value,
+                )
+        return wrapped(*positional, **call)
+
+    return wrapper
+
+
+def _supported_parameters(function) -> frozenset:
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _self_check() -> bool:
+    """True when a key that is not a checkpoint option ends up in the checkpoint partial."""
+    import transformers
+
+    from shim.selfcheck import tiny_llama_config
+
+    from ._checkpointing import enable, layer_state
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    enable(model, {"use_reentrant": True, "every_n_layers": 1, "selective": False})
+    return any(
+        "every_n_layers" in getattr(function, "keywords", {}) or "selective" in getattr(function, "keywords", {})
+        for _flag, function in layer_state(model).values()
+    )
+
+
+PATCH = Patch(
+    name="checkpoint-kwargs-clean",
+    summary="every_n_layers/offload inside the checkpointing kwargs act as parameters; they and trl's 'selective' never reach torch.utils.checkpoint.",
+    distribution="transformers",
+    requires=">=4.57",
+    targets=(
+        Target(
+            "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
+            _cleaning_enable("gradient_checkpointing_kwargs"),
+            requires="transformers<5.23",
+        ),
+        Target(
+            "transformers.modeling_utils:PreTrainedModel._activation_checkpointing_enable",
+            _cleaning_enable("activation_checkpointing_kwargs"),
+            requires="transformers>=5.23",
+        ),
+    ),
+    references=("../shared/upstream-bugs.md#B6",),
+    self_check=_self_check,
+)

@@ -1,0 +1,187 @@
+"""``checkpointing-call-signature``: re-enable calls fit the signature of the method they call.
+
+Upstream bugs:
+
+- B4 (trl 0.26 – 1.16 at least): ``trl.models.utils.disable_gradient_checkpointing`` re-enables with
+  ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)``, a positional dict, which
+  raises ``TypeError`` for keyword-only wrappers ``(*, gradient_checkpointing_kwargs=None)`` and for
+  ``(**kwargs)`` wrappers such as trl's own PPO ``PolicyAndValueWrapper`` (trl 1.0 – 1.12). The fix
+  replaces the context manager with one of the same behaviour that calls enable the way the method's
+  signature accepts (keyword, positional, or no argument when there is nothing to pass) — on every
+  shape ``(kw=None)``, ``(*, kw=None)``, ``(**kwargs)``, ``(kw=None, **kwargs)``, ``()``. trl trainer
+  modules (dpo, grpo, rloo, kto, ...) bind the name at import, so they are rebound.
+- B5 (transformers 5.16 – 5.24 at least): the Trainer (and, from 5.23,
+  ``activation_checkpointing_enable``) always passes ``every_n_layers=`` and ``offload=`` to an
+  overridden ``gradient_checkpointing_enable``, and an override written as
+  ``(self, gradient_checkpointing_kwargs=None)`` or keyword-only raises ``TypeError: unexpected
+  keyword argument 'every_n_layers'``. The fix leaves out the keywords the override cannot take
+  while they hold their defaults; a non-default value it cannot take raises a ``TypeError`` naming
+  the override and the fix (accept ``**kwargs``) — never a silent drop. From 5.23 the wrapper sits on
+  ``PreTrainedModel.activation_checkpointing_enable``; on 5.16 – 5.22, where the Trainer calls the
+  override directly from ``train()``, ``Trainer.train`` gives the model a narrowing adapter for the
+  duration of the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from shim import Patch, Target
+
+from ._arguments import argument
+from ._checkpointing import disable, enable, is_checkpointing
+
+_DEFAULTS = {"every_n_layers": 1, "offload": False}
+
+
+@contextlib.contextmanager
+def _disable_gradient_checkpointing(model, gradient_checkpointing_kwargs=None):
+    was_enabled = is_checkpointing(model)
+    if was_enabled:
+        disable(model)
+    try:
+        yield
+    finally:
+        if was_enabled:
+            enable(model, gradient_checkpointing_kwargs)
+
+
+def _trl_disable_gradient_checkpointing(wrapped, instance, args, kwargs):
+    return _disable_gradient_checkpointing(
+        argument(args, kwargs, 0, "model"), argument(args, kwargs, 1, "gradient_checkpointing_kwargs", None)
+    )
+
+
+def _narrowed_call(model, override, values: dict):
+    """Call ``override`` with the keywords of ``values`` it accepts; defaults it cannot take are left out."""
+    call = {}
+    for name, value in values.items():
+        if _takes(override, name):
+            call[name] = value
+        elif name == "gradient_checkpointing_kwargs" and value is None:
+            continue
+        elif name in _DEFAULTS and value == _DEFAULTS[name]:
+            continue
+        else:
+            function = getattr(override, "__func__", override)
+            raise TypeError(
+                f"{type(model).__name__}.gradient_checkpointing_enable ({function.__qualname__}) does not accept "
+                f"{name}={value!r}, which transformers passes to it. Accept **kwargs in the override and pass them "
+                f"on to super().gradient_checkpointing_enable(...) (raised by the shim patch "
+                f"'checkpointing-call-signature' instead of dropping the setting silently)."
+            )
+    return override(**call)
+
+
+def _takes(override, name: str) -> bool:
+    import inspect
+
+    try:
+        parameters = inspect.signature(override).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _narrow(override) -> bool:
+    """Whether the override cannot take ``every_n_layers``/``offload`` as keywords."""
+    return not all(_takes(override, name) for name in _DEFAULTS)
+
+
+def _overrides_enable(model) -> bool:
+    """Whether ``gradient_checkpointing_enable`` comes from somewhere other than ``PreTrainedModel``."""
+    if "gradient_checkpointing_enable" in vars(model):
+        return True
+    base = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    owner = next((c for c in type(model).__mro__ if "gradient_checkpointing_enable" in vars(c)), base)
+    return owner is not base
+
+
+def _activation_checkpointing_enable(wrapped, instance, args, kwargs):
+    if instance is None or not instance._is_overridden("gradient_checkpointing_enable"):
+        return wrapped(*args, **kwargs)
+    override = instance.gradient_checkpointing_enable
+    if not _narrow(override):
+        return wrapped(*args, **kwargs)
+    values = {
+        "gradient_checkpointing_kwargs": argument(args, kwargs, 0, "activation_checkpointing_kwargs", None),
+        "every_n_layers": argument(args, kwargs, 1, "every_n_layers", 1),
+        "offload": argument(args, kwargs, 2, "offload", False),
+    }
+    return _narrowed_call(instance, override, values)
+
+
+def _trainer_train(wrapped, instance, args, kwargs):
+    """transformers 5.16 – 5.22: ``train()`` calls the override with every_n_layers/offload itself."""
+    model = getattr(instance, "model", None)
+    training_args = getattr(instance, "args", None)
+    if model is None or not getattr(training_args, "gradient_checkpointing", False):
+        return wrapped(*args, **kwargs)
+    override = model.gradient_checkpointing_enable
+    if not _overrides_enable(model) or not _narrow(override):
+        return wrapped(*args, **kwargs)
+
+    def narrowing_adapter(gradient_checkpointing_kwargs=None, **more):
+        return _narrowed_call(model, override, {"gradient_checkpointing_kwargs": gradient_checkpointing_kwargs, **more})
+
+    had_instance_attribute = "gradient_checkpointing_enable" in vars(model)
+    model.gradient_checkpointing_enable = narrowing_adapter
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if had_instance_attribute:
+            model.gradient_checkpointing_enable = override
+        else:
+            del model.gradient_checkpointing_enable
+
+
+def _self_check() -> bool:
+    """True when trl's re-enable, or transformers' enable, raises TypeError on a narrow signature."""
+    import transformers
+
+    from shim.selfcheck import tiny_llama_config
+
+    class KeywordOnly(transformers.LlamaForCausalLM):
+        def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
+            super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    model = KeywordOnly(tiny_llama_config())
+    try:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if "trl" in sys.modules or _importable("trl"):
+            from trl.models.utils import disable_gradient_checkpointing
+
+            with disable_gradient_checkpointing(model, {"use_reentrant": False}):
+                pass
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable()
+    except TypeError:
+        return True
+    return False
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+PATCH = Patch(
+    name="checkpointing-call-signature",
+    summary="Re-enable calls from trl and transformers fit keyword-only, **kwargs-only and older override signatures.",
+    distribution="transformers",
+    requires=">=4.57",
+    targets=(
+        Target("trl.models.utils:disable_gradient_checkpointing", _trl_disable_gradient_checkpointing, requires="trl>=0.26"),
+        Target(
+            "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable",
+            _activation_checkpointing_enable,
+            requires="transformers>=5.23",
+        ),
+        Target("transformers.trainer:Trainer.train", _trainer_train, requires="transformers>=5.16,<5.23"),
+    ),
+    references=("../shared/upstream-bugs.md#B4", "../shared/upstream-bugs.md#B5"),
+    consumers=("trl.*",),
+    self_check=_self_check,
+)

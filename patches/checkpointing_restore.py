@@ -1,0 +1,110 @@
+"""``checkpointing-restore``: re-enabling checkpointing brings back the configuration it had.
+
+Upstream bug (B2, every transformers from 4.57 to 5.24 at least): the checkpointing configuration
+lives nowhere but in the layers (a shared ``partial(checkpoint, **kwargs)``, per-layer flags for
+``every_n_layers``, the offload closure). ``gradient_checkpointing_disable()`` overwrites all of it,
+and whoever re-enables without arguments — trl's ``unwrap_model_for_generation`` around every
+generation step (trl 0.22 – 1.15, and several 1.16 trainers), PEFT helpers, user code — gets the
+defaults: ``use_reentrant`` flips (``True`` → ``False`` on 5.x, ``False`` → ``True`` on 4.57),
+``every_n_layers`` and offload vanish. Under DeepSpeed ZeRO-3 the flip ends the run with
+``CheckpointError: Recomputed values have different metadata``.
+
+The fix captures every module's state (flag and checkpoint function) in
+``_set_gradient_checkpointing(enable=False)``, the one place every disable path reaches, and puts
+it back after an enable that carried no configuration of its own: kwargs ``None``/empty (or equal
+to the captured ones, as trl's selective-checkpointing wrapper passes them again) with
+``every_n_layers``/``offload`` at their defaults. An explicit configuration wins and drops the
+capture. The enable side wraps the implementation every entry point reaches:
+``PreTrainedModel.gradient_checkpointing_enable`` before 5.23 and
+``PreTrainedModel._activation_checkpointing_enable`` from 5.23 — never the public 5.23+ alias,
+whose identity transformers' ``_is_overridden`` compares.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from shim import Patch, Target
+
+from ._arguments import argument
+from ._checkpointing import configured_kwargs, layer_state, restore_layer_state
+
+# model -> layer state captured at its last disable; weak, so a captured model can still be freed.
+_captured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _set_gradient_checkpointing(wrapped, instance, args, kwargs):
+    if instance is not None and not argument(args, kwargs, 0, "enable", True):
+        state = layer_state(instance)
+        if any(flag for flag, _function in state.values()):
+            _captured[instance] = state
+    return wrapped(*args, **kwargs)
+
+
+def _carries_no_configuration(checkpoint_kwargs, every_n_layers, offload, state) -> bool:
+    if every_n_layers != 1 or offload:
+        return False
+    return not checkpoint_kwargs or dict(checkpoint_kwargs) == configured_kwargs(state)
+
+
+def _restoring_enable(kwargs_name: str):
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        state = _captured.pop(instance, None) if instance is not None else None
+        if state is not None and _carries_no_configuration(
+            argument(args, kwargs, 0, kwargs_name, None),
+            argument(args, kwargs, 1, "every_n_layers", 1),
+            argument(args, kwargs, 2, "offload", False),
+            state,
+        ):
+            restore_layer_state(instance, state)
+        return result
+
+    return wrapper
+
+
+def _self_check() -> bool:
+    """True when a disable/enable cycle changes the checkpointing state of any module."""
+    import inspect
+
+    import transformers
+
+    from shim.selfcheck import tiny_llama_config
+
+    from ._checkpointing import disable, enable
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4))
+    name = "activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing_enable"
+    configure = getattr(model, name)
+    config = {"use_reentrant": True, "preserve_rng_state": False}
+    if "every_n_layers" in inspect.signature(configure).parameters:
+        configure(config, every_n_layers=2)
+    else:
+        configure(config)
+    before = layer_state(model)
+    disable(model)
+    enable(model, None)
+    return layer_state(model) != before
+
+
+PATCH = Patch(
+    name="checkpointing-restore",
+    summary="Re-enabling gradient checkpointing without arguments restores the configuration it had.",
+    distribution="transformers",
+    requires=">=4.57",
+    targets=(
+        Target("transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing", _set_gradient_checkpointing),
+        Target(
+            "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
+            _restoring_enable("gradient_checkpointing_kwargs"),
+            requires="transformers<5.23",
+        ),
+        Target(
+            "transformers.modeling_utils:PreTrainedModel._activation_checkpointing_enable",
+            _restoring_enable("activation_checkpointing_kwargs"),
+            requires="transformers>=5.23",
+        ),
+    ),
+    references=("../shared/upstream-bugs.md#B2", "trl#6827"),
+    self_check=_self_check,
+)

@@ -1,0 +1,58 @@
+"""``input-grad-hook-dedupe``: one input-require-grads hook, however many enable cycles.
+
+Upstream bug (B8, transformers 5.0 – 5.24 at least): enabling checkpointing calls
+``enable_input_require_grads()`` (when ``main_input_name == "input_ids"``), which registers a new
+forward hook on the input embeddings and overwrites ``_require_grads_hooks`` without removing the
+hooks it held; disabling removes them only for PEFT models. trl cycles checkpointing around every
+generation step, so hooks pile up: ``[1, 1, 2, 2, 3, 3]`` over three cycles.
+
+The fix removes the hooks the model already holds (``_require_grads_hooks`` and the single
+``_require_grads_hook`` kept for backward compatibility) before ``enable_input_require_grads``
+registers new ones.
+"""
+
+from __future__ import annotations
+
+from shim import Patch, Target
+
+
+def _enable_input_require_grads(wrapped, instance, args, kwargs):
+    if instance is not None:
+        held = list(getattr(instance, "_require_grads_hooks", None) or ())
+        single = getattr(instance, "_require_grads_hook", None)
+        if single is not None:
+            held.append(single)
+        for handle in held:
+            handle.remove()  # RemovableHandle.remove() is idempotent
+    return wrapped(*args, **kwargs)
+
+
+def input_hook_count(model) -> int:
+    return len(model.get_input_embeddings()._forward_hooks)
+
+
+def _self_check() -> bool:
+    """True when disable/enable cycles leave more than one hook on the input embeddings."""
+    import transformers
+
+    from shim.selfcheck import tiny_llama_config
+
+    from ._checkpointing import disable, enable
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    enable(model, {"use_reentrant": False})
+    for _ in range(3):
+        disable(model)
+        enable(model, {"use_reentrant": False})
+    return input_hook_count(model) > 1
+
+
+PATCH = Patch(
+    name="input-grad-hook-dedupe",
+    summary="At most one input-require-grads hook on the embeddings across checkpointing cycles.",
+    distribution="transformers",
+    requires=">=5.0",
+    targets=(Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),),
+    references=("../shared/upstream-bugs.md#B8",),
+    self_check=_self_check,
+)

@@ -1,0 +1,116 @@
+"""``trl-restore-on-error``: an exception during trl's generation leaves checkpointing on.
+
+Upstream bug (B3, trl 0.22 – 1.16 at least): ``unwrap_model_for_generation`` switches gradient
+checkpointing off, yields the model for generation, and switches it back on after the ``yield``
+with no ``try/finally``. An exception in the body (a bad sample, an interrupted generation that
+the trainer catches) leaves checkpointing off for the rest of training; under ZeRO-3 the parameter
+hooks it removed before generating stay removed too.
+
+The fix wraps the generator context manager (``_unwrap_model_for_generation`` from trl 0.29,
+``unwrap_model_for_generation`` before it) in a context that, only when the body raised, re-enables
+checkpointing with the kwargs the caller gave (the ``checkpointing-restore`` patch brings back the
+rest) and re-adds trl's ZeRO-3 hooks if they are still removed. The normal path is trl's own code,
+untouched. Trainer modules that bound the old public name at import are rebound.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from shim import Patch, Target
+
+from ._arguments import argument
+from ._checkpointing import enable, is_checkpointing
+
+log = logging.getLogger("shim")
+
+
+def _zero3_hooks_removed(engine) -> bool:
+    """Whether trl's ``remove_hooks`` left this DeepSpeed engine without its forward hooks."""
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", None) or optimizer
+    hooks = getattr(offload, "forward_hooks", None)
+    return isinstance(hooks, list) and not hooks and hasattr(offload, "_register_deepspeed_module")
+
+
+class _RestoreOnError:
+    """trl's context manager, plus the clean-up trl skips when the body raises."""
+
+    def __init__(self, context, model, accelerator, gather, checkpoint_kwargs):
+        self._context = context
+        self._model = model
+        self._accelerator = accelerator
+        self._gather = gather
+        self._checkpoint_kwargs = checkpoint_kwargs
+        self._unwrapped = None
+        self._was_checkpointing = False
+
+    def __enter__(self):
+        self._unwrapped = self._accelerator.unwrap_model(self._model)
+        self._was_checkpointing = is_checkpointing(self._unwrapped)
+        return self._context.__enter__()
+
+    def __exit__(self, exc_type, exc, traceback):
+        try:
+            return self._context.__exit__(exc_type, exc, traceback)
+        finally:
+            if exc_type is not None:
+                self._clean_up_after(exc_type)
+
+    def _clean_up_after(self, exc_type) -> None:
+        try:
+            if self._gather and _zero3_hooks_removed(self._model):
+                sys.modules["trl.models.utils"].add_hooks(self._model)
+            if self._was_checkpointing and not is_checkpointing(self._unwrapped):
+                enable(self._unwrapped, self._checkpoint_kwargs)
+                log.info("trl-restore-on-error: re-enabled checkpointing after %s in generation", exc_type.__name__)
+        except Exception:  # the body's exception is the one the user must see
+            log.exception("trl-restore-on-error: could not restore checkpointing after %s", exc_type.__name__)
+
+
+def _unwrap_model_for_generation(wrapped, instance, args, kwargs):
+    context = wrapped(*args, **kwargs)
+    return _RestoreOnError(
+        context,
+        model=argument(args, kwargs, 0, "model"),
+        accelerator=argument(args, kwargs, 1, "accelerator"),
+        gather=argument(args, kwargs, 2, "gather_deepspeed3_params", True),
+        checkpoint_kwargs=kwargs.get("gradient_checkpointing_kwargs"),
+    )
+
+
+def _self_check() -> bool:
+    """True when an exception inside ``unwrap_model_for_generation`` leaves checkpointing off."""
+    import accelerate
+    import transformers
+    from trl.models.utils import unwrap_model_for_generation
+
+    from shim.selfcheck import tiny_llama_config
+
+    from ._checkpointing import enable as enable_checkpointing
+
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    enable_checkpointing(model, {"use_reentrant": False})
+    accelerator = accelerate.Accelerator(cpu=True)
+    try:
+        with unwrap_model_for_generation(model, accelerator):
+            raise RuntimeError("generation failed")
+    except RuntimeError:
+        pass
+    return not is_checkpointing(model)
+
+
+PATCH = Patch(
+    name="trl-restore-on-error",
+    summary="An exception inside trl's unwrap_model_for_generation no longer leaves checkpointing off.",
+    distribution="trl",
+    requires=">=0.22",
+    targets=(
+        Target("trl.models.utils:_unwrap_model_for_generation", _unwrap_model_for_generation, requires="trl>=0.29"),
+        Target("trl.models.utils:unwrap_model_for_generation", _unwrap_model_for_generation, requires="trl<0.29"),
+    ),
+    references=("../shared/upstream-bugs.md#B3",),
+    consumers=("trl.*",),
+    self_check=_self_check,
+)
