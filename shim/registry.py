@@ -25,6 +25,15 @@ log = logging.getLogger("shim")
 APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
 
 
+def _imported(module_name: str) -> bool:
+    """In ``sys.modules`` and done executing: a module that is still running its body (because it
+    imported another target on the way, as ``transformers.modeling_utils`` imports
+    ``core_model_loading``) is not ready to be patched yet; its own post-import hook fires once it
+    is (importlib clears ``_initializing`` only after the hooks ran, hence ``finished``)."""
+    module = sys.modules.get(module_name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
 @dataclass(frozen=True)
 class PatchStatus:
     """What the registry did with one patch (``shim.status()`` returns one per patch)."""
@@ -203,13 +212,13 @@ class Registry:
     def _on_import(self, name: str, module) -> None:
         """Post-import hook: must never let an exception escape into the user's import (unless strict)."""
         try:
-            self._try_apply(name)
+            self._try_apply(name, finished=getattr(module, "__name__", None))
         except PatchError:
             raise
         except Exception:  # pragma: no cover - defensive: _try_apply already records failures
             log.exception("%s: unexpected error in the post-import hook; the patch is not applied", name)
 
-    def _try_apply(self, name: str, explicit: bool = False) -> None:
+    def _try_apply(self, name: str, explicit: bool = False, finished: Optional[str] = None) -> None:
         waiting = ()
         with self._lock:
             entry = self._entries[name]
@@ -221,8 +230,8 @@ class Registry:
                 self._set(entry, DISABLED, f"opted out with {variable}")
                 return
             todo = [m for m in entry.patch.modules if m not in entry.done_modules]
-            ready = [m for m in todo if m in sys.modules]
-            waiting = tuple(m for m in todo if m not in sys.modules)
+            ready = [m for m in todo if m == finished or _imported(m)]
+            waiting = tuple(m for m in todo if m not in ready)
             problem = self._apply_modules(entry, ready, forced=name in config.forced) if ready else None
             if not entry.settled:
                 self._settle_state(entry, waiting)

@@ -86,6 +86,17 @@ def test_targets_apply_module_by_module(fake_modules):
     assert state(registry) == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")
 
 
+def test_a_target_module_still_executing_is_waited_for(fake_modules):
+    # a imports b at the top, as transformers.modeling_utils imports core_model_loading: when b's
+    # hook fires, a is in sys.modules but half executed, and a.f does not exist yet.
+    pkg = fake_modules(a="from . import b\n\ndef f(x):\n    return x\n", b=TARGET)
+    registry = Registry([make_patch(pkg, "b:f", "a:f")])
+    registry.activate()
+    a = importlib.import_module(f"{pkg}.a")
+    assert (a.f(1), a.b.f(1)) == (("demo", 1), ("demo", 1))
+    assert state(registry) == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")
+
+
 def test_a_later_module_that_fails_rolls_back_the_earlier_ones(fake_modules):
     pkg = fake_modules(a=TARGET, b=TARGET)
     registry = Registry([make_patch(pkg, "a:f", "b:missing")])
