@@ -282,7 +282,7 @@ class Registry:
             if target.requirement is not None:
                 decision = versions.decide(target.requirement.name, target.requirement.specifier)
                 if not decision.admitted:
-                    entry.notes.append(f"{target.spec} not needed: {decision.reason}")
+                    entry.notes.append(f"left alone: {target.path} (needs {target.requires})")
                     continue
             module = sys.modules[target.module]
             try:
