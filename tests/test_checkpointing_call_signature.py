@@ -83,7 +83,10 @@ def test_trl_disable_context_re_enables_every_signature_shape(shape, pass_kwargs
     assert checkpoint_kwargs(model) == CONFIGURED
 
 
-@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed")
+@pytest.mark.skipif(
+    not HAS_TRL or not hasattr(importlib.import_module("trl.models.utils"), "disable_gradient_checkpointing"),
+    reason="version rule: disable_gradient_checkpointing exists from trl 0.26",
+)
 def test_trainer_module_that_bound_the_name_before_import_shim_sees_the_fix():
     code = """
     import trl.models.utils, trl.trainer.dpo_trainer as dpo

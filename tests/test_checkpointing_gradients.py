@@ -39,6 +39,9 @@ def test_layer_gradients_match_no_checkpointing_after_a_cycle(configured):
 
     def cycled(switched_off: bool):
         model = copy.deepcopy(reference)
+        if configured["use_reentrant"] and TRANSFORMERS.major < 5:
+            # Reentrant with frozen embeddings needs the input-grad hook; 5.x adds it on enable, 4.x does not.
+            model.enable_input_require_grads()
         configure(model, configured)
         getattr(model, DISABLE)()
         if switched_off:

@@ -205,7 +205,7 @@ def test_every_n_layers_pattern_comes_back_after_a_bare_re_enable():
 @pytest.mark.skipif(not supports("every_n_layers"), reason="version rule: every_n_layers exists from transformers 5.16")
 @pytest.mark.skipif(
     not HAS_TRL or not hasattr(trl.models, "enable_selective_activation_checkpointing"),
-    reason="version rule: trl selective activation checkpointing exists in recent trl (1.16 here)",
+    reason="version rule: trl selective activation checkpointing exists from trl 1.13 – 1.15 (measured: absent in 1.12, present in 1.15)",
 )
 def test_trl_selective_checkpointing_keeps_its_context_fn_and_the_pattern():
     def build():
