@@ -149,10 +149,9 @@ def _self_check() -> bool:
     model = KeywordOnly(tiny_llama_config())
     try:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if "trl" in sys.modules or _importable("trl"):
-            from trl.models.utils import disable_gradient_checkpointing
-
-            with disable_gradient_checkpointing(model, {"use_reentrant": False}):
+        trl_context = _trl_disable_context()
+        if trl_context is not None:  # trl >= 0.26
+            with trl_context(model, {"use_reentrant": False}):
                 pass
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable()
@@ -161,10 +160,13 @@ def _self_check() -> bool:
     return False
 
 
-def _importable(name: str) -> bool:
+def _trl_disable_context():
+    import importlib
     import importlib.util
 
-    return importlib.util.find_spec(name) is not None
+    if importlib.util.find_spec("trl") is None:
+        return None
+    return getattr(importlib.import_module("trl.models.utils"), "disable_gradient_checkpointing", None)
 
 
 PATCH = Patch(
