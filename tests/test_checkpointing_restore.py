@@ -291,3 +291,25 @@ def test_no_future_warning_of_the_shims_own(recwarn):
             with trl.models.utils.disable_gradient_checkpointing(model, FLIPPED):
                 pass
     assert checkpoint_kwargs(model) == FLIPPED
+
+
+def test_trl_value_head_style_aliases_of_bound_methods():
+    """trl's value-head models copy the inner model's bound enable/disable onto themselves."""
+
+    class ValueHeadLike(torch.nn.Module):
+        def __init__(self, pretrained_model):
+            super().__init__()
+            self.pretrained_model = pretrained_model
+            self.gradient_checkpointing_disable = pretrained_model.gradient_checkpointing_disable
+            self.gradient_checkpointing_enable = pretrained_model.gradient_checkpointing_enable
+
+    def cycle(model, kwargs):
+        value_head = ValueHeadLike(model)
+        quietly(value_head.gradient_checkpointing_disable)
+        quietly(value_head.gradient_checkpointing_enable)
+
+    with shim.disabled():
+        before, after = run_cycle(cycle, "use_reentrant-flipped")
+    assert after != before
+    before, after = run_cycle(cycle, "use_reentrant-flipped")
+    assert after == before
