@@ -7,4 +7,4 @@ library at module level.
 #: Tells ``shim`` this is its own catalogue and not a user's module that happens to be called ``patches``.
 HF_TRAIN_SHIM_CATALOGUE = True
 
-MODULES = ("patches.load_keeps_requires_grad",)
+MODULES = ("patches.load_keeps_requires_grad", "patches.reentrant_keyword_grads")
