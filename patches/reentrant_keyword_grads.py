@@ -49,7 +49,6 @@ import sys
 from shim import Patch, Target
 
 _ATTRIBUTE = "_gradient_checkpointing_func"
-_MISSING = object()
 _partial = functools.partial
 _torch = None  # bound on first use: the patch module must not import torch at import time
 
@@ -180,28 +179,39 @@ def _call(wrapped, instance, args, kwargs):
         if _torch is None:
             _torch_module()
         if any(_wants_grad(value) for value in kwargs.values()) and _torch.is_grad_enabled():
-            return _diverted(wrapped, instance, args, kwargs)
+            function = _reentrant_function(instance)
+            if function is not None:
+                return _diverted(wrapped, instance, function, args, kwargs)
     return wrapped(*args, **kwargs)
 
 
-def _diverted(wrapped, instance, args, kwargs):
+def _reentrant_function(instance):
+    """The layer's checkpoint function if it is reentrant, else ``None`` (also when it has none:
+    upstream then raises its own error)."""
+    function = instance.__dict__.get(_ATTRIBUTE, None)
+    if function is None:
+        function = getattr(instance, _ATTRIBUTE, None)
+    if type(function) is _Lifting:  # another thread's diverted call on this very layer
+        function = function.original
+    if function is None or not is_reentrant(function):
+        return None
+    return function
+
+
+def _diverted(wrapped, instance, function, args, kwargs):
+    """Run the layer's call with its checkpoint function swapped for a lifting one."""
     state = instance.__dict__
-    own = state.get(_ATTRIBUTE, _MISSING)
-    current = own if own is not _MISSING else getattr(instance, _ATTRIBUTE, None)
-    if type(current) is _Lifting:  # another thread's diverted call on this very layer
-        current = current.original
-    if current is None or not is_reentrant(current):
-        return wrapped(*args, **kwargs)
-    lifting = _Lifting(current)
+    own = _ATTRIBUTE in state
+    lifting = _Lifting(function)
     state[_ATTRIBUTE] = lifting
     try:
         return wrapped(*args, **kwargs)
     finally:
         if state.get(_ATTRIBUTE) is lifting:  # undone by identity: only our own swap
-            if own is _MISSING:
-                del state[_ATTRIBUTE]
+            if own:
+                state[_ATTRIBUTE] = function
             else:
-                state[_ATTRIBUTE] = current
+                del state[_ATTRIBUTE]
 
 
 # -- shape probe -------------------------------------------------------------------------------
