@@ -38,6 +38,8 @@ hooks) is upstream's. Every other call goes straight to the wrapped ``__call__``
 Limits: the swap writes the instance attribute, so two threads running the *same* layer object
 at once may see each other's swap (it is undone by identity, and each thread's own call keeps
 its function). Tensors hidden in other containers (dataclasses, ``ModelOutput``) are not lifted.
+Positional arguments are passed as upstream passes them: a tensor nested in a *positional* tuple
+is torch's documented reentrant limit (only top-level positional tensors are inputs), not B7.
 A layer's ``forward`` called directly (not through the module call) is not covered.
 """
 
@@ -236,8 +238,8 @@ def _probe():
     layer.train()
     layer.gradient_checkpointing = True
     layer._gradient_checkpointing_func = record
-    first, second = torch.zeros(1), torch.ones(1)
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the import happened in
+        first, second = torch.zeros(1), torch.ones(1)
         result = layer(first, second=second)
     if len(seen) != 1:
         return f"GradientCheckpointingLayer called _gradient_checkpointing_func {len(seen)} times, not once"
@@ -254,8 +256,9 @@ def _probe():
 # -- demonstration (self-check, tests) ---------------------------------------------------------
 
 
-def enable_checkpointing(model, checkpoint_kwargs: dict, **options) -> None:
-    """Turn checkpointing on through the model's API (``activation_*`` where it exists, 5.23+)."""
+def enable_checkpointing(model, checkpoint_kwargs: dict | None, **options) -> None:
+    """Turn checkpointing on through the model's API (``activation_*`` where it exists, 5.23+);
+    ``None`` kwargs get transformers' default."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
     else:
