@@ -14,4 +14,5 @@ MODULES = (
     "patches.checkpointing_call_signature",
     "patches.checkpoint_kwargs_clean",
     "patches.input_grad_hook_dedupe",
+    "patches.reentrant_keyword_grads",
 )

@@ -1,0 +1,339 @@
+"""``reentrant-keyword-grads``: reentrant checkpointing keeps the gradients of keyword tensor inputs.
+
+Upstream bug (transformers 4.57.6 – 5.24.0 at least, B7): a checkpointing
+``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(fn, **kwargs), *args)``
+(``fn`` is ``super().__call__`` up to 5.22, the class's own ``forward`` from 5.23, where checkpointing
+wraps ``forward``). Only the positional ``args`` reach ``torch.utils.checkpoint.checkpoint``; keyword
+arguments ride inside the ``partial``. Reentrant checkpointing (``use_reentrant=True``) tracks only
+its positional tensor inputs, so a layer called as ``layer(hidden_states=h, ...)`` builds an output
+that does not depend on ``h`` for autograd: everything before the layer gets no gradient, and
+nothing raises.
+
+The fix wraps ``GradientCheckpointingLayer.__call__`` (its own method up to 5.22; from 5.23 the
+shim's layer shadows the inherited ``nn.Module.__call__``, which only adds a pass-through frame).
+A call is *diverted* only when all of these hold, checked cheapest first:
+
+- it has keyword arguments, the layer's ``gradient_checkpointing`` flag is set and it is training;
+- a keyword argument holds a tensor that requires grad, at the top level or nested in tuples
+  (named tuples included), lists and dicts;
+- grad mode is on;
+- the layer's ``_gradient_checkpointing_func`` is *reentrant*: the rule is the ``use_reentrant``
+  keyword bound into it with ``functools.partial`` (nested partials are read outermost first), and
+  when there is none, torch's own default, which is reentrant (torch 2.x warns and uses
+  ``use_reentrant=True``). transformers always binds the keyword when it builds the function
+  without user arguments (``True`` in 4.57, ``False`` from 5.0); a user's kwargs without it get
+  torch's default. A function that is no partial at all (plain ``checkpoint``, DeepSpeed's
+  reentrant-style ``checkpoint``, a closure) is treated as reentrant too: lifting is correct for
+  any function that runs ``fn(*args)``.
+
+For a diverted call the layer's function is swapped, for the duration of that call only, for a
+lifting one: when the layer hands it ``partial(fn, **kwargs)`` and ``args``, it calls the real
+function with ``recompute, *args, *lifted``, where ``lifted`` are the grad-requiring tensors found in
+the partial's keywords and ``recompute`` puts the tensors it receives back into their keyword
+places (same containers, every other object kept as is) before calling ``fn``. Autograd then sees
+them as checkpoint inputs, in the first pass and in the recomputation, and RNG state is recorded for
+their devices. Everything else about the layer's own call (its cache-argument edits, warnings,
+hooks) is upstream's. Every other call goes straight to the wrapped ``__call__`` unchanged.
+
+Limits: the swap writes the instance attribute, so two threads running the *same* layer object
+at once may see each other's swap (it is undone by identity, and each thread's own call keeps
+its function). Tensors hidden in other containers (dataclasses, ``ModelOutput``) are not lifted.
+Positional arguments are passed as upstream passes them: a tensor nested in a *positional* tuple
+is torch's documented reentrant limit (only top-level positional tensors are inputs), not B7.
+A layer's ``forward`` called directly (not through the module call) is not covered.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from shim import Patch, Target
+
+_ATTRIBUTE = "_gradient_checkpointing_func"
+_partial = functools.partial
+_torch = None  # bound on first use: the patch module must not import torch at import time
+
+
+def _torch_module():
+    global _torch
+    if _torch is None:
+        import torch
+
+        _torch = torch
+    return _torch
+
+
+# -- finding and putting back the tensors ------------------------------------------------------
+
+
+def _wants_grad(value) -> bool:
+    """Whether ``value`` holds a tensor that requires grad, in tuples, lists and dicts."""
+    if isinstance(value, _torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_wants_grad(item) for item in value)
+    if type(value) is dict:
+        return any(_wants_grad(item) for item in value.values())
+    return False
+
+
+def _lift(value, lifted: list):
+    """A template of ``value``: grad-requiring tensors appended to ``lifted``, their places marked."""
+    if isinstance(value, _torch.Tensor):
+        if value.requires_grad:
+            lifted.append(value)
+            return _Slot(len(lifted) - 1)
+        return value
+    kind = type(value)
+    if isinstance(value, (tuple, list)):
+        items = [_lift(item, lifted) for item in value]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return _Rebuild(kind, items)
+    if kind is dict:
+        items = {key: _lift(item, lifted) for key, item in value.items()}
+        if all(items[key] is item for key, item in value.items()):
+            return value
+        return _Rebuild(dict, items)
+    return value
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Rebuild:
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind, items) -> None:
+        self.kind = kind
+        self.items = items
+
+
+def _fill(template, tensors):
+    kind = type(template)
+    if kind is _Slot:
+        return tensors[template.index]
+    if kind is not _Rebuild:
+        return template
+    items = template.items
+    if template.kind is dict:
+        return {key: _fill(item, tensors) for key, item in items.items()}
+    filled = [_fill(item, tensors) for item in items]
+    if template.kind is list:
+        return filled
+    if template.kind is tuple:
+        return tuple(filled)
+    if hasattr(template.kind, "_make"):  # a named tuple
+        return template.kind._make(filled)
+    return template.kind(filled)
+
+
+# -- deciding ----------------------------------------------------------------------------------
+
+
+def is_reentrant(function) -> bool:
+    """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
+
+    The ``use_reentrant`` keyword bound by ``functools.partial`` decides (the outermost partial
+    wins); without one, torch's default applies, which is reentrant.
+    """
+    while type(function) is _partial or isinstance(function, _partial):
+        keywords = function.keywords
+        if "use_reentrant" in keywords:
+            value = keywords["use_reentrant"]
+            return True if value is None else bool(value)
+        function = function.func
+    return True
+
+
+class _Lifting:
+    """Stands in for a layer's checkpoint function during one diverted call."""
+
+    __slots__ = ("original",)
+
+    def __init__(self, original) -> None:
+        self.original = original
+
+    def __call__(self, function, *args, **options):
+        original = self.original
+        if not isinstance(function, _partial) or not function.keywords:
+            return original(function, *args, **options)
+        lifted: list = []
+        template = {key: _lift(value, lifted) for key, value in function.keywords.items()}
+        if not lifted:
+            return original(function, *args, **options)
+        run, bound, count = function.func, function.args, len(args)
+
+        def recompute(*inputs):
+            keywords = {key: _fill(value, inputs[count:]) for key, value in template.items()}
+            return run(*bound, *inputs[:count], **keywords)
+
+        return original(recompute, *args, *lifted, **options)
+
+
+def _call(wrapped, instance, args, kwargs):
+    if kwargs and instance.gradient_checkpointing and instance.training:
+        if _torch is None:
+            _torch_module()
+        if any(_wants_grad(value) for value in kwargs.values()) and _torch.is_grad_enabled():
+            function = _reentrant_function(instance)
+            if function is not None:
+                return _diverted(wrapped, instance, function, args, kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def _reentrant_function(instance):
+    """The layer's checkpoint function if it is reentrant, else ``None`` (also when it has none:
+    upstream then raises its own error)."""
+    function = instance.__dict__.get(_ATTRIBUTE, None)
+    if function is None:
+        function = getattr(instance, _ATTRIBUTE, None)
+    if type(function) is _Lifting:  # another thread's diverted call on this very layer
+        function = function.original
+    if function is None or not is_reentrant(function):
+        return None
+    return function
+
+
+def _diverted(wrapped, instance, function, args, kwargs):
+    """Run the layer's call with its checkpoint function swapped for a lifting one."""
+    state = instance.__dict__
+    own = _ATTRIBUTE in state
+    lifting = _Lifting(function)
+    state[_ATTRIBUTE] = lifting
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if state.get(_ATTRIBUTE) is lifting:  # undone by identity: only our own swap
+            if own:
+                state[_ATTRIBUTE] = function
+            else:
+                del state[_ATTRIBUTE]
+
+
+# -- shape probe -------------------------------------------------------------------------------
+
+
+def _probe():
+    """The layer must call ``_gradient_checkpointing_func(partial(fn, **kwargs), *args)``."""
+    torch = _torch_module()
+    layers = sys.modules["transformers.modeling_layers"]
+
+    class _ProbeLayer(layers.GradientCheckpointingLayer):
+        def forward(self, first, second=None):
+            return first + second
+
+    seen = []
+
+    def record(function, *args, **options):
+        seen.append((function, args, options))
+        return function(*args)
+
+    layer = _ProbeLayer()
+    layer.train()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = record
+    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the import happened in
+        first, second = torch.zeros(1), torch.ones(1)
+        result = layer(first, second=second)
+    if len(seen) != 1:
+        return f"GradientCheckpointingLayer called _gradient_checkpointing_func {len(seen)} times, not once"
+    function, args, options = seen[0]
+    if not isinstance(function, _partial) or function.keywords.get("second") is not second:
+        return "GradientCheckpointingLayer no longer hands keyword arguments over in a functools.partial"
+    if len(args) != 1 or args[0] is not first or options:
+        return "GradientCheckpointingLayer no longer hands positional arguments over as *args"
+    if not torch.equal(result, first + second):
+        return "GradientCheckpointingLayer's checkpoint function result is not the layer's output"
+    return None
+
+
+# -- demonstration (self-check, tests) ---------------------------------------------------------
+
+
+def enable_checkpointing(model, checkpoint_kwargs: dict | None, **options) -> None:
+    """Turn checkpointing on through the model's API (``activation_*`` where it exists, 5.23+);
+    ``None`` kwargs get transformers' default."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
+
+
+def keyword_driven_grads(model, input_ids, seed: int = 0) -> dict:
+    """One backward through ``model`` (a ``LlamaForCausalLM``) whose decoder layers are called with
+    ``hidden_states=`` as a keyword, as draft models and custom stacks do. Returns the parameter
+    gradients by name (``None`` where autograd left none)."""
+    torch = _torch_module()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids)
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers:
+        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
+        hidden = out[0] if isinstance(out, tuple) else out
+    logits = model.lm_head(inner.norm(hidden))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+    loss.backward()
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def wrong_grads(reference: dict, grads: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list:
+    """Names whose gradient is ``None`` or differs from ``reference``."""
+    torch = _torch_module()
+    wrong = []
+    for name, expected in reference.items():
+        got = grads[name]
+        if got is None or expected is None:
+            if got is not expected:
+                wrong.append(name)
+        elif not torch.allclose(got, expected, rtol=rtol, atol=atol):
+            wrong.append(name)
+    return wrong
+
+
+def _self_check() -> bool:
+    """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
+    import warnings
+
+    import transformers
+
+    from shim.selfcheck import tiny_llama_config
+
+    torch = _torch_module()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3))
+    model.train()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    reference = keyword_driven_grads(model, input_ids)
+    with warnings.catch_warnings():
+        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
+        enable_checkpointing(model, {"use_reentrant": True})
+        checkpointed = keyword_driven_grads(model, input_ids)
+    return bool(wrong_grads(reference, checkpointed))
+
+
+PATCH = Patch(
+    name="reentrant-keyword-grads",
+    summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
+    distribution="transformers",
+    requires=">=4.57",
+    targets=(
+        Target(
+            "transformers.modeling_layers:GradientCheckpointingLayer.__call__",
+            _call,
+            probe=lambda original: _probe(),
+        ),
+    ),
+    references=("../shared/upstream-bugs.md#B7",),
+    self_check=_self_check,
+)

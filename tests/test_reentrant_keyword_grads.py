@@ -1,0 +1,458 @@
+"""B7 on the installed transformers: reentrant checkpointing must keep the gradients of tensors a
+layer receives by keyword.
+
+Every test first shows the bug with the patch switched off (or, for paths the patch must not
+touch, that the patch changes nothing), then the fix with it on.
+"""
+
+import collections
+import functools
+import warnings
+
+import pytest
+import torch
+import transformers
+from hypothesis import assume, example, given, settings, strategies as st
+from packaging.version import Version
+from torch.utils.checkpoint import checkpoint
+
+import patches.reentrant_keyword_grads as module
+import shim
+from patches.reentrant_keyword_grads import enable_checkpointing, is_reentrant, keyword_driven_grads, wrong_grads
+from shim.selfcheck import quiet_transformers, tiny_llama_config
+from tests.conftest import run_python
+
+NAME = "reentrant-keyword-grads"
+VERSION = Version(transformers.__version__)
+GradientCheckpointingLayer = transformers.modeling_layers.GradientCheckpointingLayer
+quiet_transformers()
+
+
+@pytest.fixture(autouse=True)
+def _applied_and_quiet():
+    # every test here is about the applied patch: those that check it leaves a path unchanged
+    # would pass vacuously without it
+    assert shim.registry.is_on(NAME), shim.status()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
+        # torch: "None of the inputs have requires_grad=True" (the bug itself) and "use_reentrant
+        # should be passed explicitly" (the cases that rely on torch's default)
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+@pytest.fixture
+def diversions(monkeypatch):
+    """How many layer calls the patch diverted (its lifting path), counted from the wrapper."""
+    calls = []
+    original = module._diverted
+
+    def counting(*args):
+        calls.append(args[1])
+        return original(*args)
+
+    monkeypatch.setattr(module, "_diverted", counting)
+    return calls
+
+
+def tiny_llama(layers=3, **overrides):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers, **overrides))
+    model.train()
+    return model
+
+
+def input_ids(model, batch=2, length=8):
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
+
+
+def test_patch_is_applied():
+    assert shim.registry.is_on(NAME)
+    assert module._probe() is None
+
+
+# -- the measured case -------------------------------------------------------------------------
+
+
+def test_keyword_hidden_states_get_their_gradients():
+    model = tiny_llama(layers=3)
+    ids = input_ids(model)
+    reference = keyword_driven_grads(model, ids)
+    assert len(reference) == 30 and all(grad is not None for grad in reference.values())
+
+    enable_checkpointing(model, {"use_reentrant": True})
+    with shim.disabled(NAME):
+        upstream = keyword_driven_grads(model, ids)
+    patched = keyword_driven_grads(model, ids)
+
+    wrong = wrong_grads(reference, upstream)
+    assert len(wrong) == 28, "bug: upstream loses every gradient before the last layer's output"
+    assert sum(grad is None for grad in upstream.values()) == 28
+    assert wrong_grads(reference, patched) == []
+    assert all(grad is not None for grad in patched.values())
+
+
+def _offload_on_cpu(monkeypatch):
+    # transformers' offload closure (5.17+) asks save_on_cpu for pinned memory, which torch refuses
+    # on a machine without an accelerator, with or without the shim: pin nothing, keep the closure.
+    original = transformers.modeling_utils.save_on_cpu
+    monkeypatch.setattr(
+        transformers.modeling_utils, "save_on_cpu", lambda pin_memory=False, **kw: original(pin_memory=False, **kw)
+    )
+    return {"offload": True}
+
+
+def _enabled_by_other_code(function):
+    def enable(model):
+        for layer in model.model.layers:
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = function
+
+    return enable
+
+
+def _closure(function, *args):
+    return checkpoint(function, *args, use_reentrant=True)
+
+
+# (id, how checkpointing is switched on, reentrant?)
+ENABLERS = [
+    ("api-reentrant", {"use_reentrant": True}, True),
+    ("api-non-reentrant", {"use_reentrant": False}, False),
+    # transformers' default when no kwargs are given: reentrant in 4.x, non-reentrant from 5.0
+    ("api-default", None, VERSION < Version("5.0")),
+    # kwargs without use_reentrant: torch's own default, reentrant
+    ("api-torch-default", {"preserve_rng_state": True}, True),
+    ("api-offload-reentrant", ({"use_reentrant": True}, "offload"), True),
+    ("own-partial", _enabled_by_other_code(functools.partial(checkpoint, use_reentrant=True)), True),
+    ("own-nested-partial", _enabled_by_other_code(
+        functools.partial(functools.partial(checkpoint, use_reentrant=True), preserve_rng_state=False)), True),
+    ("own-plain-checkpoint", _enabled_by_other_code(checkpoint), True),
+    ("own-closure", _enabled_by_other_code(_closure), True),
+    ("own-non-reentrant", _enabled_by_other_code(functools.partial(checkpoint, use_reentrant=False)), False),
+]
+
+
+@pytest.mark.parametrize("how, reentrant", [case[1:] for case in ENABLERS], ids=[case[0] for case in ENABLERS])
+def test_every_checkpoint_function(how, reentrant, monkeypatch, diversions):
+    model = tiny_llama(layers=2)
+    ids = input_ids(model)
+    reference = keyword_driven_grads(model, ids)
+
+    if callable(how):
+        how(model)
+    elif isinstance(how, tuple):
+        if VERSION < Version("5.17"):
+            pytest.skip("version rule: the offload closure exists from transformers 5.17")
+        enable_checkpointing(model, how[0], **_offload_on_cpu(monkeypatch))
+        assert model.model.layers[0]._gradient_checkpointing_func.func.__name__ == "checkpoint_func"
+    else:
+        enable_checkpointing(model, how)
+    function = model.model.layers[0]._gradient_checkpointing_func
+    assert is_reentrant(function) is reentrant
+
+    with shim.disabled(NAME):
+        upstream = keyword_driven_grads(model, ids)
+    patched = keyword_driven_grads(model, ids)
+
+    if reentrant:
+        assert wrong_grads(reference, upstream), "bug: upstream drops the keyword tensors' gradients"
+        assert len(diversions) == 2
+    else:
+        assert wrong_grads(reference, upstream) == []
+        assert diversions == [], "non-reentrant calls must go straight through"
+    assert wrong_grads(reference, patched) == []
+    # the layer's own function is back in place after every call
+    assert all(layer.__dict__["_gradient_checkpointing_func"] is function for layer in model.model.layers)
+
+
+# -- any mix of positional, keyword and nested inputs -------------------------------------------
+
+Pair = collections.namedtuple("Pair", "scale shift")
+
+
+class Mixer(GradientCheckpointingLayer):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = torch.nn.Linear(4, 4)
+        self.mlp = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y=None, pair=None, extra=None, factor=1.0):
+        out = self.first(x)
+        if y is not None:
+            out = out + self.second(y)
+        if pair is not None:
+            out = out * pair[0] + pair[1]
+        if extra is not None:
+            out = out + extra["u"] * extra["v"][0] - extra["v"][1]
+        return self.mlp(torch.tanh(out)) * factor
+
+
+NAMES = ("x", "y", "s", "t", "u", "v0", "v1")
+kinds = st.sampled_from(["constant", "leaf", "computed"])
+
+
+def build(spec):
+    """Fresh inputs for one run (same values every time): positional args, kwargs, leaves to compare."""
+    generator = torch.Generator().manual_seed(7)
+    source = torch.randn(2, 4, generator=generator).requires_grad_()
+    leaves = {"source": source}
+    values = {}
+    for name in NAMES:
+        value = torch.randn(2, 4, generator=generator)
+        kind = spec["kinds"][name]
+        if kind == "leaf":
+            value.requires_grad_()
+            leaves[name] = value
+        elif kind == "computed":
+            value = value * source  # a non-leaf that requires grad, like hidden states
+        values[name] = value
+    container = {"tuple": tuple, "list": list, "namedtuple": lambda items: Pair(*items)}[spec["pair"]]
+    arguments = {
+        "x": values["x"],
+        "y": values["x"] if spec["shared"] else values["y"],
+        "pair": container([values["s"], values["t"]]),
+        "extra": {"u": values["u"], "v": [values["v0"], values["v1"]]} if spec["extra"] else None,
+    }
+    order = ("x", "y", "pair", "extra")
+    args = tuple(arguments[name] for name in order[: spec["positional"]])
+    kwargs = {name: arguments[name] for name in order[spec["positional"]:]}
+    kwargs["factor"] = 0.5
+    return args, kwargs, leaves
+
+
+def run(spec, checkpointing):
+    torch.manual_seed(0)
+    layer = Mixer()
+    layer.train()
+    if checkpointing is not None:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=checkpointing)
+    args, kwargs, leaves = build(spec)
+    output = layer(*args, **kwargs)
+    output.square().sum().backward()
+    tensors = {**{f"param {n}": p for n, p in layer.named_parameters()}, **leaves}
+    return output.detach(), {name: tensor.grad for name, tensor in tensors.items()}
+
+
+def requires_grad_somewhere(spec):
+    used = {"x", "s", "t"} | ({"y"} if not spec["shared"] else set()) | ({"u", "v0", "v1"} if spec["extra"] else set())
+    return any(spec["kinds"][name] != "constant" for name in used)
+
+
+def upstream_is_wrong(spec, reentrant, expected):
+    with shim.disabled(NAME):
+        try:
+            upstream = run(spec, reentrant)[1]
+        except RuntimeError:  # "element 0 of tensors does not require grad": nothing reached the output
+            return True
+    return any(
+        (got is None) != (want is None) or (got is not None and not torch.allclose(got, want))
+        for got, want in zip(upstream.values(), expected.values())
+    )
+
+
+specs = st.fixed_dictionaries(
+    {
+        "kinds": st.fixed_dictionaries({name: kinds for name in NAMES}),
+        "positional": st.integers(0, 4),
+        "pair": st.sampled_from(["tuple", "list", "namedtuple"]),
+        "extra": st.booleans(),
+        "shared": st.booleans(),
+    }
+).filter(requires_grad_somewhere)  # reentrant checkpointing needs one input that requires grad
+
+
+MEASURED = {  # hidden states by keyword, like the measured Llama case
+    "kinds": dict.fromkeys(NAMES, "constant") | {"x": "computed"},
+    "positional": 0, "pair": "tuple", "extra": False, "shared": False,
+}
+NESTED_ONLY = {  # the only grad-requiring tensor sits in a dict's list, by keyword
+    "kinds": dict.fromkeys(NAMES, "constant") | {"v0": "computed"},
+    "positional": 2, "pair": "namedtuple", "extra": True, "shared": False,
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=specs, reentrant=st.booleans())
+@example(spec=MEASURED, reentrant=True)
+@example(spec=NESTED_ONLY, reentrant=True)
+def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
+    # torch's reentrant contract: of the positional arguments only top-level tensors are inputs.
+    # A tensor nested in a positional tuple loses its gradient with or without keywords; that is
+    # torch's documented limit, not B7, and the patch passes positional arguments as they are.
+    args, _, _ = build(spec)
+    assume(not (reentrant and any(not isinstance(a, torch.Tensor) and module._wants_grad(a) for a in args)))
+    expected_output, expected = run(spec, None)
+
+    calls = []
+    original = module._diverted
+    module._diverted = lambda *a: calls.append(1) or original(*a)
+    try:
+        output, grads = run(spec, reentrant)
+    finally:
+        module._diverted = original
+    if reentrant and spec in (MEASURED, NESTED_ONLY):
+        assert upstream_is_wrong(spec, reentrant, expected), "bug: upstream drops the keyword tensor's gradient"
+
+    torch.testing.assert_close(output, expected_output)
+    for name, want in expected.items():
+        if want is None:
+            assert grads[name] is None, name
+        else:
+            torch.testing.assert_close(grads[name], want, msg=name)
+    _, kwargs, _ = build(spec)
+    keyword_grads = any(module._wants_grad(value) for value in kwargs.values())
+    assert len(calls) == (1 if reentrant and keyword_grads else 0)
+
+
+def test_non_grad_paths_are_untouched(diversions):
+    args, kwargs, _ = build({**MEASURED, "kinds": dict.fromkeys(NAMES, "computed")})
+    layer = Mixer()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)
+    layer.eval()
+    layer(*args, **kwargs)
+    layer.train()
+    with torch.no_grad():
+        layer(*args, **kwargs)
+    layer.gradient_checkpointing = False
+    layer(*args, **kwargs)
+    assert diversions == []
+
+
+def test_function_restored_when_the_layer_raises(diversions):
+    layer = Mixer()
+    layer.train()
+    function = functools.partial(checkpoint, use_reentrant=True)
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = function
+    x = torch.randn(2, 4, requires_grad=True) * 1
+    with pytest.raises(RuntimeError):
+        layer(x=x, y=torch.randn(3, 5))  # shape mismatch inside forward
+    assert diversions == [layer]
+    assert layer.__dict__["_gradient_checkpointing_func"] is function
+
+
+# -- recomputation, hooks, full model ----------------------------------------------------------
+
+
+def count_calls(modules):
+    counts = collections.Counter()
+    handles = [m.register_forward_hook(lambda mod, i, o, key=key: counts.update([key])) for key, m in modules]
+    return counts, handles
+
+
+def test_layers_are_really_recomputed():
+    model = tiny_llama(layers=2)
+    ids = input_ids(model)
+    layers = model.model.layers
+    mlp_counts, handles = count_calls([(i, layer.mlp) for i, layer in enumerate(layers)])
+    layer_counts, more = count_calls([(i, layer) for i, layer in enumerate(layers)])
+    enable_checkpointing(model, {"use_reentrant": True})
+
+    def counted(run):
+        mlp_counts.clear(), layer_counts.clear()
+        run()
+        return dict(mlp_counts), dict(layer_counts)
+
+    def positional():  # the call upstream gets right
+        model.zero_grad()
+        hidden = model.model.embed_tokens(ids)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        embeddings = model.model.rotary_emb(hidden, positions)
+        for layer in layers:
+            hidden = layer(hidden, position_ids=positions, position_embeddings=embeddings)
+        hidden.sum().backward()
+
+    with shim.disabled(NAME):
+        upstream_mlp, _ = counted(lambda: keyword_driven_grads(model, ids))
+    patched_mlp, patched_layer = counted(lambda: keyword_driven_grads(model, ids))
+    positional_mlp, positional_layer = counted(positional)
+    for handle in handles + more:
+        handle.remove()
+
+    assert upstream_mlp == {0: 1, 1: 1}, "bug: upstream never recomputes (nothing needs a gradient)"
+    assert patched_mlp == {0: 2, 1: 2}  # forward, then the recomputation in backward
+    assert positional_mlp == patched_mlp
+    # hooks on the layer itself fire as for a positional call: twice up to 5.22, once from 5.23
+    # (checkpointing wraps forward, the recomputation calls it directly)
+    assert patched_layer == positional_layer == dict.fromkeys((0, 1), 2 if VERSION < Version("5.23") else 1)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_full_model_steps_unchanged(reentrant, diversions):
+    def step():
+        model = tiny_llama(layers=2)
+        enable_checkpointing(model, {"use_reentrant": reentrant})
+        ids = input_ids(model)
+        model(ids, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    with shim.disabled(NAME):
+        upstream = step()
+    patched = step()
+    assert diversions == [], "transformers' own model calls must not be diverted"
+    for name, grad in upstream.items():
+        assert grad is not None and torch.equal(patched[name], grad), name
+
+
+def test_dropout_gradients_match_with_preserved_rng_state():
+    model = tiny_llama(layers=2, attention_dropout=0.5, attn_implementation="eager")
+    ids = input_ids(model)
+    reference = keyword_driven_grads(model, ids, seed=3)
+    again = keyword_driven_grads(model, ids, seed=4)
+    assert wrong_grads(reference, again), "dropout must actually change the gradients"
+
+    enable_checkpointing(model, {"use_reentrant": True, "preserve_rng_state": True})
+    with shim.disabled(NAME):
+        assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3)), "bug upstream"
+    assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3)) == []
+
+    # and the RNG state matters: without preserving it the recomputation draws other masks
+    enable_checkpointing(model, {"use_reentrant": True, "preserve_rng_state": False})
+    assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3))
+
+
+# -- rules, probe, removal -----------------------------------------------------------------------
+
+
+def test_reentrant_rule():
+    assert is_reentrant(checkpoint)  # torch's default when the keyword is not given
+    assert is_reentrant(functools.partial(checkpoint, preserve_rng_state=False))
+    assert is_reentrant(functools.partial(checkpoint, use_reentrant=None))
+    assert not is_reentrant(functools.partial(checkpoint, use_reentrant=False))
+    outer_wins = functools.partial(functools.partial(checkpoint, use_reentrant=True), use_reentrant=False)
+    assert not is_reentrant(outer_wins)
+    assert is_reentrant(_closure)
+
+
+def test_probe_detects_a_changed_call_shape(monkeypatch):
+    class Changed(torch.nn.Module):
+        gradient_checkpointing = False
+
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(lambda *a: super(Changed, self).__call__(*a, **kwargs), *args)
+            return super().__call__(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_layers, "GradientCheckpointingLayer", Changed)
+    assert "functools.partial" in module._probe()
+
+
+def test_deactivate_restores_the_class():
+    run_python(
+        """
+        import transformers.modeling_layers as m
+        original = vars(m.GradientCheckpointingLayer).get("__call__")  # None from 5.23: inherited
+        import shim
+        assert shim.registry.is_on("reentrant-keyword-grads")
+        assert vars(m.GradientCheckpointingLayer)["__call__"]._self_shim_patch == "reentrant-keyword-grads"
+        shim.deactivate()
+        assert vars(m.GradientCheckpointingLayer).get("__call__") is original
+        shim.activate()
+        assert shim.registry.is_on("reentrant-keyword-grads")
+        """
+    )
