@@ -10,7 +10,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
@@ -18,6 +17,29 @@ Wrapper = Callable[[Callable, object, tuple, dict], object]
 
 _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
+# A PEP 508 name and a specifier set; no extras, markers or URLs (a target gate has no use for them).
+# Parsed here rather than with packaging.requirements, whose import (markers, tags, sysconfig) would
+# cost ``import shim`` several milliseconds.
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*([^\[\];@]*)$")
+
+
+class TargetRequirement:
+    """A distribution name and the versions of it a target needs, e.g. ``trl>=0.26``."""
+
+    __slots__ = ("name", "specifier")
+
+    def __init__(self, text: str) -> None:
+        match = _REQUIREMENT.match(text)
+        if match is None:
+            raise ValueError(f"{text!r} is not a distribution name followed by a PEP 440 specifier")
+        self.name = match.group(1)
+        self.specifier = SpecifierSet(match.group(2))  # InvalidSpecifier is a ValueError
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.specifier}"
+
+    def __repr__(self) -> str:
+        return f"<TargetRequirement({str(self)!r})>"
 
 
 @dataclass(frozen=True)
@@ -34,15 +56,15 @@ class Target:
     wrapper: Wrapper
     requires: str = ""
     probe: Optional[Callable[[object], Optional[str]]] = None
-    requirement: Optional[Requirement] = field(init=False, repr=False, compare=False, default=None)
+    requirement: Optional[TargetRequirement] = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.spec):
             raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
         if self.requires:
             try:
-                object.__setattr__(self, "requirement", Requirement(self.requires))
-            except InvalidRequirement as exc:
+                object.__setattr__(self, "requirement", TargetRequirement(self.requires))
+            except ValueError as exc:
                 raise ValueError(f"target {self.spec!r}: {self.requires!r} is not a requirement like 'trl>=0.26'") from exc
 
     @property

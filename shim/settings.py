@@ -6,7 +6,6 @@ imported still takes effect.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
@@ -61,6 +60,8 @@ def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[boo
         return False, frozenset()
     for name in names:
         if name not in known:
+            import difflib  # only for the warning: it would cost every ``import shim`` half a millisecond
+
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else f"known patches: {', '.join(known)}"
             warn_once(f"{variable} names an unknown patch {name!r}; {hint}")
