@@ -215,7 +215,15 @@ class Registry:
                 return
             waiting = tuple(m for m in entry.patch.modules if m not in sys.modules)
             if waiting:
-                self._set(entry, PENDING, f"applies when {', '.join(waiting)} is imported")
+                # The gate needs no import: outside it the patch is skipped now, not left pending
+                # (its target module may not even exist in that release, e.g. 4.x has no
+                # core_model_loading). The hooks still run on import, so SHIM_FORCE set later works.
+                decision = versions.decide(entry.patch.distribution, entry.patch.specifier)
+                if decision.gated_as is not None and not decision.admitted and name not in config.forced:
+                    entry.installed = decision.installed
+                    self._set(entry, SKIPPED, decision.reason)
+                else:
+                    self._set(entry, PENDING, f"applies when {', '.join(waiting)} is imported")
             else:
                 problem = self._apply(entry, forced=name in config.forced)
                 if problem is not None and config.strict:
