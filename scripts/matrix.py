@@ -213,7 +213,7 @@ def run_cell(cell: Cell, skip_suite: bool) -> dict:
         start = time.monotonic()  # doctor runs even after a failing suite: its report helps
         ok = run_doctor(cell, out) and ok
         times["doctor"] = time.monotonic() - start
-    suite = "doctor only" if skip_suite or not cell.suite else ""
+    suite = "doctor only" if not cell.suite else "suite not run here (--skip-suite)" if skip_suite else ""
     record = dict(cell=cell.name, ok=ok, times=times, note=suite)
     (out / "times.json").write_text(json.dumps(record))
     say(f"--- {cell.name}: {'ok' if ok else 'FAILED'}; " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
