@@ -127,12 +127,14 @@ def seed_torch(cell: Cell, log) -> None:
         return
     if not (TORCH_SEED / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(TORCH_SEED)], check=True, stdout=log, stderr=log)
+    source = next((TORCH_SEED / "lib").glob("python3*/site-packages"))
+    if not any(source.glob("torch-2.13.0*.dist-info")):  # also repairs an interrupted seed install
         subprocess.run([str(TORCH_SEED / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0"],
                        check=True, stdout=log, stderr=log)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=log, stderr=log)
-    source = next((TORCH_SEED / "lib").glob("python3*/site-packages"))
     target = next((venv / "lib").glob("python3*/site-packages"))
-    for entry in source.iterdir():
+    # Metadata last: if this is interrupted, pip finds no torch dist-info and installs it over the files.
+    for entry in sorted(source.iterdir(), key=lambda e: e.name.endswith(".dist-info")):
         if (target / entry.name).exists() or entry.name.startswith(("pip", "setuptools", "_distutils_hack", "distutils-")):
             continue
         if entry.is_dir():
@@ -196,7 +198,8 @@ def run_doctor(cell: Cell, out: Path) -> bool:
     return True
 
 
-def run_cell(cell: Cell, skip_suite: bool) -> dict:
+def run_cell(cell: Cell, skip_suite: str = "") -> dict:
+    """Build, suite (unless ``skip_suite`` says why not), doctor; times each step."""
     out = REPORTS / cell.name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -213,7 +216,7 @@ def run_cell(cell: Cell, skip_suite: bool) -> dict:
         start = time.monotonic()  # doctor runs even after a failing suite: its report helps
         ok = run_doctor(cell, out) and ok
         times["doctor"] = time.monotonic() - start
-    suite = "doctor only" if not cell.suite else "suite not run here (--skip-suite)" if skip_suite else ""
+    suite = "doctor only" if not cell.suite else skip_suite
     record = dict(cell=cell.name, ok=ok, times=times, note=suite)
     (out / "times.json").write_text(json.dumps(record))
     say(f"--- {cell.name}: {'ok' if ok else 'FAILED'}; " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
@@ -480,7 +483,8 @@ def main(argv=None) -> int:
     if not args.report_only:
         started = time.monotonic()
         for cell in selected:
-            records.append(run_cell(cell, args.doctor_only or cell.name in args.skip_suite))
+            skip = "doctor only" if args.doctor_only else "suite not run here (--skip-suite)" if cell.name in args.skip_suite else ""
+            records.append(run_cell(cell, skip))
         total = time.monotonic() - started
 
     reports = load_reports(CELLS)
