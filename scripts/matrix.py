@@ -67,23 +67,31 @@ class Cell:
         return ROOT / (self.venv or f".venvs/{self.name}") / "bin" / "python"
 
 
-#: The cells. Full cells run the suite and doctor; edge cells sit on a gate's first release
-#: (transformers 5.16: B5/B6; trl 0.26: B4) and run doctor only.
+#: The cells. Full cells run the suite and doctor. Edge cells run doctor only and sit on the first
+#: or last release line of a gate that no full cell measures: trl 0.26 (B4 starts), trl 0.28 (last
+#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.16 (B5/B6 start), 5.22
+#: and 5.23 (the Trainer path before activation_checkpointing_enable, and the override path after).
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
+    Cell("edge-trl0.28", suite=False),
     Cell("tf5.0-trl0.29"),
     Cell("tf5.14-trl1.0"),
     Cell("edge-tf5.16", suite=False),
     Cell("tf5.20-trl1.12"),
+    Cell("edge-tf5.22", suite=False),
+    Cell("edge-tf5.23", suite=False),
     Cell("default", venv=".venv"),
 )
 BY_NAME = {cell.name: cell for cell in CELLS}
 DISTRIBUTIONS = ("transformers", "trl", "peft", "accelerate", "torch")
 
-# Runs inside a cell: the installed versions and, per patch, what the engine's own gate decides.
+# Runs inside a cell: the installed versions and, per patch, what the engine's own gate decides,
+# for the patch and for each target that names its own requirement (``Target.requires``, where the
+# engine has it). A patch is "inside" when its gate admits the release and at least one target does.
 CELL_PROBE = """
-import importlib.metadata as md, json, shim
+import importlib.metadata as md, json, re, shim
+from packaging.specifiers import SpecifierSet
 from shim import versions
 def version(name):
     try:
@@ -94,8 +102,20 @@ patches = []
 for name in shim.registry.names:
     patch = shim.registry.patch(name)
     decision = versions.decide(patch.distribution, patch.specifier)
+    targets = []
+    for target in patch.targets:
+        requires = getattr(target, "requires", "") or ""
+        if requires:
+            distribution, specifier = re.match(r"\\s*([A-Za-z0-9_.-]+)\\s*(.*)$", str(requires)).groups()
+            gate = versions.decide(distribution, SpecifierSet(specifier))
+            targets.append(dict(target=target.spec, distribution=distribution, requires=specifier,
+                                gated_as=gate.gated_as, admitted=gate.admitted))
+        else:
+            targets.append(dict(target=target.spec, distribution=None, requires="", gated_as=None, admitted=True))
     patches.append(dict(name=name, distribution=patch.distribution, requires=patch.requires,
-                        installed=decision.installed, gated_as=decision.gated_as, admitted=decision.admitted,
+                        installed=decision.installed, gated_as=decision.gated_as,
+                        admitted=decision.admitted and any(t["admitted"] for t in targets),
+                        patch_admitted=decision.admitted, targets=targets,
                         has_self_check=patch.self_check is not None))
 print(json.dumps(dict(versions={d: version(d) for d in %r}, patches=patches)))
 """ % (DISTRIBUTIONS,)
@@ -304,14 +324,50 @@ def release(text: str) -> tuple:
     return tuple(numbers + [0] * (3 - len(numbers)))
 
 
-def lower_bounds(requires: str) -> list[str]:
-    """The ``X`` of each ``>=X`` / ``~=X`` / ``==X`` clause: the first release inside the gate."""
-    bounds = []
+def missing_edges(requires: str, measured: list[str]) -> list[str]:
+    """The release lines (``major.minor``) at the edges of ``requires`` that no measured version is on.
+
+    A lower bound ``>=X`` (also ``~=X``, ``==X``) needs a cell on X's line at or above X, unless X
+    is at or below the oldest cell. An upper bound ``<Y`` needs a cell on the line just before Y
+    (Y's own line when Y is a patch release), ``<=Y`` one on Y's line, unless Y is above the newest
+    cell. An upper bound ``<A.0`` has no known last line: it is not checked.
+    """
+    versions = [release(v) for v in measured]
+    if not versions:
+        return []
+    lines = {v[:2] for v in versions}
+    lowest, highest = min(versions), max(versions)
+    wanted = []
     for clause in requires.split(","):
-        match = re.match(r"\s*(>=|~=|==)\s*([0-9][0-9.]*)\s*$", clause)
-        if match:
-            bounds.append(match.group(2))
-    return bounds
+        match = re.match(r"\s*(>=|~=|==|<=|<)\s*([0-9][0-9.]*)\s*$", clause)
+        if not match:
+            continue
+        operator, bound = match.group(1), release(match.group(2))
+        if operator in (">=", "~=", "==") and bound > lowest:
+            if not any(v[:2] == bound[:2] and v >= bound for v in versions):
+                wanted.append(f"{bound[0]}.{bound[1]}.x (>= {match.group(2)}), the first line inside")
+        elif operator == "<" and bound <= highest:
+            line = bound[:2] if bound[2] else (bound[0], bound[1] - 1) if bound[1] else None
+            if line is not None and line not in lines:
+                wanted.append(f"{line[0]}.{line[1]}.x, the last line inside < {match.group(2)}")
+        elif operator == "<=" and bound < highest and bound[:2] not in lines:
+            wanted.append(f"{bound[0]}.{bound[1]}.x, the last line inside <= {match.group(2)}")
+    return wanted
+
+
+def gates_of(gate: dict) -> list[tuple[str, str, str]]:
+    """(distribution, specifier, whose) for the patch's gate and each target's own requirement."""
+    found = [(gate["distribution"], gate["requires"], "patch")]
+    for target in gate.get("targets", ()):
+        if target["requires"]:
+            found.append((target["distribution"], target["requires"], f"target {target['target']}"))
+    return found
+
+
+def measured_version(gate: dict, distribution: str):
+    if distribution == gate["distribution"]:
+        return gate["gated_as"]
+    return next((t["gated_as"] for t in gate.get("targets", ()) if t["distribution"] == distribution), None)
 
 
 class Problems(list):
@@ -366,21 +422,22 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                 )
             elif verdict not in ("not affected", "not installed"):
                 problems.add(cell_name, f"{where}: {shown} is outside {spec}; doctor says {verdict!r} ({finding['detail']})")
-        # Edges: the first release inside the gate must be measured, if the matrix reaches below it.
+        # Edges: the first and last release line inside every gate must be measured, where the
+        # matrix reaches past them.
         if not cells_seen:
             continue
-        gates = sorted({f"{g['distribution']}{g['requires']}" for _, g, _ in cells_seen})
+        gates = sorted({json.dumps(gates_of(g)) for _, g, _ in cells_seen})
         if len(gates) > 1:
-            problems.add(None, f"{name}: the cells' reports disagree on the gate ({', '.join(gates)}): stale reports, rerun every cell")
+            problems.add(None, f"{name}: the cells' reports disagree on the gate ({' / '.join(gates)}): stale reports, rerun every cell")
             continue
         distribution, requires = cells_seen[0][1]["distribution"], cells_seen[0][1]["requires"]
-        measured = sorted({g["gated_as"] for _, g, _ in cells_seen if g["gated_as"]}, key=version_key)
-        for bound in lower_bounds(requires):
-            if measured and release(bound) > release(measured[0]) and not any(release(v) == release(bound) for v in measured):
+        for gate_distribution, specifier, whose in gates_of(cells_seen[0][1]):
+            measured = sorted({v for _, g, _ in cells_seen if (v := measured_version(g, gate_distribution))}, key=version_key)
+            for wanted in missing_edges(specifier, measured):
                 problems.add(
                     None,
-                    f"{name}: gate {distribution}{requires} starts at {bound}, which no cell measures "
-                    f"(cells have {', '.join(measured)}): add an edge cell with {distribution}=={bound} to scripts/matrix.py"
+                    f"{name}: {whose} gate {gate_distribution}{specifier} needs a cell on {gate_distribution} {wanted}; "
+                    f"cells have {', '.join(measured)}: add an edge cell to scripts/matrix.py",
                 )
         inside = sorted(((g["gated_as"], c) for c, g, _ in cells_seen if g["admitted"]), key=lambda x: version_key(x[0]))
         if inside:
@@ -433,9 +490,12 @@ def render(reports: dict) -> str:
             if gate is None or finding is None:
                 row.append("-")
                 continue
-            gate_text = f"{gate['distribution']}{gate['requires']}"
+            gate_text = f"`{gate['distribution']}{gate['requires']}`"
+            extra = sorted({f"`{t['distribution']}{t['requires']}`" for t in gate.get("targets", ()) if t["requires"]})
+            if extra:
+                gate_text += f"; targets {', '.join(extra)}"
             row.append(cell_text(gate, finding, known, cell))
-        lines.append(f"| `{name}` | `{gate_text}` | " + " | ".join(row) + " |")
+        lines.append(f"| `{name}` | {gate_text} | " + " | ".join(row) + " |")
     lines += [
         "",
         "*applied, fixed*: the bug reproduces with the patch off and is gone with it on. *not needed*: the "

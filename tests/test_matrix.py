@@ -73,7 +73,7 @@ def test_the_first_release_inside_a_gate_must_be_a_cell():
     reports = {"old": report("5.14.1", "not affected", ">=5.16"), "new": report("5.20.2", "fixed", ">=5.16")}
     problems, _ = matrix.check(reports)
     assert [cell for cell, _ in problems] == [None]
-    assert "starts at 5.16, which no cell measures" in problems[0][1]
+    assert "needs a cell on transformers 5.16.x (>= 5.16), the first line inside" in problems[0][1]
 
     reports["edge"] = report("5.16.0", "fixed", ">=5.16")
     assert matrix.check(reports)[0] == []
@@ -81,6 +81,41 @@ def test_the_first_release_inside_a_gate_must_be_a_cell():
 
 def test_a_lower_bound_below_the_oldest_cell_needs_no_cell():
     assert matrix.check({"a": report("4.57.6", "fixed", ">=4.0"), "b": report("5.0.0", "fixed", ">=4.0")})[0] == []
+
+
+@pytest.mark.parametrize(
+    "requires, measured, wanted",
+    [
+        (">=5.0", ["4.57.6", "5.0.0", "5.24.0"], []),
+        (">=5.16", ["5.14.1", "5.16.1", "5.24.0"], []),  # the first line, not necessarily its .0
+        (">=5.16", ["5.14.1", "5.20.2"], ["5.16.x (>= 5.16), the first line inside"]),
+        ("<5.23", ["5.20.2", "5.24.0"], ["5.22.x, the last line inside < 5.23"]),
+        ("<5.23", ["5.22.2", "5.23.0"], []),
+        ("<5.30", ["5.22.2", "5.24.0"], []),  # above the newest cell: nothing to prove yet
+        ("<0.29", ["0.25.1", "0.29.1"], ["0.28.x, the last line inside < 0.29"]),
+        ("<1.0", ["0.29.1", "1.16.0"], []),  # the last 0.x line is not known from the bound
+        ("<=5.20", ["5.14.1", "5.24.0"], ["5.20.x, the last line inside <= 5.20"]),
+        (">=5.16,<5.23", ["5.14.1", "5.16.0", "5.22.2", "5.24.0"], []),
+    ],
+)
+def test_gate_edges_are_release_lines(requires, measured, wanted):
+    assert matrix.missing_edges(requires, measured) == wanted
+
+
+def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
+    def with_target(version, verdict, target_requires, admitted):
+        r = report(version, verdict, ">=4.57")
+        gate = r["patches"][0]
+        gate["targets"] = [dict(target="trl.models.utils:f", distribution="transformers", requires=target_requires,
+                                gated_as=version, admitted=admitted)]
+        gate["admitted"] = gate["admitted"] and admitted
+        return r
+
+    reports = {"a": with_target("4.57.6", "not affected", ">=5.16", False), "b": with_target("5.20.2", "fixed", ">=5.16", True)}
+    problems, _ = matrix.check(reports)
+    assert [text for cell, text in problems if cell is not None] == []  # outside the target's gate: not affected is right
+    assert any("target trl.models.utils:f gate transformers>=5.16 needs a cell on transformers 5.16.x" in t for t in texts(problems))
+    assert "`transformers>=4.57`; targets `transformers>=5.16`" in matrix.render(reports)
 
 
 def test_a_patch_without_self_check_or_with_stale_reports_fails():
