@@ -393,6 +393,9 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                 problems.add(cell_name, f"{where}: no doctor result (stale report? rerun the cell)")
                 continue
             verdict, spec = finding["verdict"], f"{gate['distribution']}{gate['requires']}"
+            own = sorted({f"{t['distribution']}{t['requires']}" for t in gate.get("targets", ()) if t["requires"]})
+            if own:
+                spec += f" (targets: {', '.join(own)})"
             shown = f"{gate['distribution']} {gate['installed']}"
             if not gate["has_self_check"]:
                 problems.add(cell_name, f"{where}: the patch has no self_check, so the matrix cannot prove its gate {spec}")
