@@ -148,3 +148,15 @@ def test_every_cell_has_a_constraints_file_pinning_torch_first():
         lines = [line for line in cell.constraints.read_text().splitlines() if line and not line.startswith("#")]
         assert lines[0] == "torch==2.13.0", cell.name
         assert any(line.startswith("transformers==") for line in lines) and any(line.startswith("trl==") for line in lines)
+
+
+def test_the_saved_doctor_table_is_the_one_doctor_prints():
+    from shim.cli import _table
+
+    findings = [dict(name="demo", installed="5.0.0", state="applied", bug_upstream="yes", bug_with_shim="no",
+                     verdict="fixed", detail="d"),
+                dict(name="other-patch", installed="4.57.6", state="skipped", bug_upstream="-", bug_with_shim="-",
+                     verdict="check error", detail="ImportError('x')")]
+    rows = [[f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings]
+    expected = _table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"])
+    assert matrix.doctor_table(findings) == expected + "\nother-patch: check error: ImportError('x')"
