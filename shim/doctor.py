@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from . import versions
 from .registry import APPLIED, DISABLED, Registry
 
 FIXED = "fixed"
@@ -45,14 +46,20 @@ def _yes_no(flag: bool) -> str:
 
 def examine(registry: Registry, name: str) -> Finding:
     patch = registry.patch(name)
+    missing = []
     for module_name in patch.modules:  # importing the targets lets the patch apply (or skip)
         try:
             importlib.import_module(module_name)
-        except ImportError:
-            status = next(s for s in registry.status() if s.name == name)
-            return Finding(name, status.installed or "-", status.state, "-", "-", NOT_INSTALLED, status.reason)
+        except ImportError as exc:
+            missing.append(f"{module_name} cannot be imported ({exc})")
     status = next(s for s in registry.status() if s.name == name)
     installed = status.installed or "-"
+    if missing and versions.installed_version(patch.distribution) is None:
+        return Finding(name, installed, status.state, "-", "-", NOT_INSTALLED, status.reason)
+    if missing:
+        # The distribution is there but a target module is not (e.g. an older release): the
+        # patch cannot apply, so the check below measures whether the bug is there without it.
+        status = replace(status, reason=f"{status.reason}; {'; '.join(missing)}")
     if patch.self_check is None:
         return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
     try:

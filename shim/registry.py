@@ -171,15 +171,22 @@ class Registry:
 
     def _status(self, entry: _Entry) -> PatchStatus:
         patch = entry.patch
-        installed = entry.installed
-        reason = entry.reason
-        if entry.state == PENDING and installed is None:
+        installed, state, reason = entry.installed, entry.state, entry.reason
+        if state == PENDING and installed is None:
+            # The gate needs no import, but deciding it costs a metadata read, so it is done here
+            # rather than at activation: a patch outside its gate reads as skipped even when its
+            # target module does not exist in that release (transformers 4.57 has no
+            # core_model_loading). Its hooks stay, so SHIM_FORCE set later still applies it.
             decision = versions.decide(patch.distribution, patch.specifier)
             installed = decision.installed
-            reason = f"{reason}; {decision.reason}"
+            forced = patch.name in settings.read(self._entries).forced
+            if decision.gated_as is not None and not decision.admitted and not forced:
+                state, reason = SKIPPED, decision.reason
+            else:
+                reason = f"{reason}; {decision.reason}"
         return PatchStatus(
             name=patch.name,
-            state=entry.state,
+            state=state,
             reason=reason,
             targets=tuple(t.spec for t in patch.targets),
             requires=patch.requirement,

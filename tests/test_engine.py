@@ -255,6 +255,40 @@ def test_version_gate_force_and_dev_builds(fake_modules, monkeypatch):
     assert "applied anyway because of SHIM_FORCE" in state(forced)[1]
 
 
+def test_outside_the_gate_is_skipped_before_import_even_if_the_target_module_does_not_exist(fake_modules, monkeypatch):
+    # Like transformers 4.57, which has no core_model_loading module: the patch must not stay pending.
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(pkg)  # the distribution is installed; its target modules are not imported
+    registry = Registry([make_patch(pkg, "nowhere:f", requires=">=2.0", name="gone"), make_patch(pkg, requires=">=2.0")])
+    registry.activate()
+    assert state(registry, "gone") == (SKIPPED, f"{pkg} 1.2.0 is outside >=2.0")
+    assert state(registry) == (SKIPPED, f"{pkg} 1.2.0 is outside >=2.0")
+    # The import hooks stay: SHIM_FORCE set after activation still applies on the first import.
+    monkeypatch.setenv("SHIM_FORCE", "demo")
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == ("demo", 1) and state(registry)[0] == APPLIED
+
+
+def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_modules):
+    from shim import doctor
+
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(pkg)
+    registry = Registry(
+        [
+            make_patch(pkg, "nowhere:f", requires=">=2.0", name="absent", self_check=lambda: False),
+            make_patch(pkg, "nowhere:f", requires=">=1.0", name="present", self_check=lambda: True),
+            make_patch("not_a_distribution_here", "nowhere:f", name="uninstalled", self_check=lambda: True),
+        ]
+    )
+    registry.activate()
+    findings = {f.name: f for f in doctor.run(registry)}
+    assert (findings["absent"].state, findings["absent"].verdict) == (SKIPPED, doctor.NOT_AFFECTED)
+    assert findings["present"].verdict == doctor.NOT_FIXED, "the bug shows and the patch cannot apply"
+    assert f"{pkg}.nowhere cannot be imported" in findings["present"].detail
+    assert findings["uninstalled"].verdict == doctor.NOT_INSTALLED
+
+
 @pytest.mark.parametrize(
     "installed, gated_as, admitted",
     [("5.25.0.dev0", "5.25.0", False), ("5.0.0rc1", "5.0.0", True), ("5.24.0+local", "5.24.0", True)],

@@ -1,0 +1,162 @@
+"""The version matrix's gate check and README table (scripts/matrix.py) on made-up doctor reports.
+
+No cells are built here: the reports are what ``python -m shim doctor --json`` and the cell probe
+write, so these tests pin down which measurements make CI fail.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("shim_matrix", ROOT / "scripts" / "matrix.py")
+matrix = importlib.util.module_from_spec(spec)
+sys.modules["shim_matrix"] = matrix
+spec.loader.exec_module(matrix)
+
+
+@pytest.fixture(autouse=True)
+def no_known_unfixed(tmp_path, monkeypatch):
+    known = tmp_path / "known-unfixed.txt"
+    known.write_text("# none\n")
+    monkeypatch.setattr(matrix, "KNOWN_UNFIXED", known)
+    return known
+
+
+def report(version, verdict, requires=">=5.0", name="demo", self_check=True):
+    gated = version.split("+")[0]
+    admitted = tuple(int(x) for x in gated.split(".")) >= tuple(int(x) for x in requires[2:].split("."))
+    return {
+        "versions": {"transformers": version, "trl": "1.0.0", "peft": "0.21.2", "accelerate": "1.15.0", "torch": "2.13.0"},
+        "patches": [dict(name=name, distribution="transformers", requires=requires, installed=version,
+                         gated_as=gated, admitted=admitted, has_self_check=self_check)],
+        "findings": {name: dict(name=name, installed=version, state="applied" if admitted else "skipped",
+                                bug_upstream="-", bug_with_shim="-", verdict=verdict, detail="d")},
+    }
+
+
+def texts(problems):
+    return [text for _cell, text in problems]
+
+
+def test_fixed_inside_and_absent_outside_the_gate_hold():
+    reports = {"old": report("4.57.6", "not affected"), "new": report("5.0.0", "fixed")}
+    problems, notes = matrix.check(reports)
+    assert problems == []
+    assert notes == ["demo (transformers>=5.0): first cell inside 5.0.0 (new), last 5.0.0 (new)"]
+
+
+def test_a_bug_outside_the_gate_fails_unless_known_unfixed(no_known_unfixed):
+    reports = {"old": report("4.57.6", "NOT FIXED"), "new": report("5.0.0", "fixed")}
+    assert any("outside transformers>=5.0 but the bug reproduces" in t for t in texts(matrix.check(reports)[0]))
+
+    no_known_unfixed.write_text("demo old the 4.x code has another shape\n")
+    assert matrix.check(reports)[0] == []
+    assert "skipped: the 4.x code has another shape" in matrix.render(reports)
+
+
+def test_a_stale_known_unfixed_line_fails(no_known_unfixed):
+    no_known_unfixed.write_text("demo old no longer true\n")
+    reports = {"old": report("4.57.6", "not affected"), "new": report("5.0.0", "fixed")}
+    assert any("remove the line" in t for t in texts(matrix.check(reports)[0]))
+
+
+@pytest.mark.parametrize("verdict", ["not reproduced", "not affected", "NOT FIXED", "check error"])
+def test_anything_but_fixed_inside_the_gate_fails(verdict):
+    problems, _ = matrix.check({"new": report("5.0.0", verdict)})
+    assert len(problems) == 1 and problems[0][0] == "new" and "inside transformers>=5.0" in problems[0][1]
+
+
+def test_the_first_release_inside_a_gate_must_be_a_cell():
+    reports = {"old": report("5.14.1", "not affected", ">=5.16"), "new": report("5.20.2", "fixed", ">=5.16")}
+    problems, _ = matrix.check(reports)
+    assert [cell for cell, _ in problems] == [None]
+    assert "needs a cell on transformers 5.16.x (>= 5.16), the first line inside" in problems[0][1]
+
+    reports["edge"] = report("5.16.0", "fixed", ">=5.16")
+    assert matrix.check(reports)[0] == []
+
+
+def test_a_lower_bound_below_the_oldest_cell_needs_no_cell():
+    assert matrix.check({"a": report("4.57.6", "fixed", ">=4.0"), "b": report("5.0.0", "fixed", ">=4.0")})[0] == []
+
+
+@pytest.mark.parametrize(
+    "requires, measured, wanted",
+    [
+        (">=5.0", ["4.57.6", "5.0.0", "5.24.0"], []),
+        (">=5.16", ["5.14.1", "5.16.1", "5.24.0"], []),  # the first line, not necessarily its .0
+        (">=5.16", ["5.14.1", "5.20.2"], ["5.16.x (>= 5.16), the first line inside"]),
+        ("<5.23", ["5.20.2", "5.24.0"], ["5.22.x, the last line inside < 5.23"]),
+        ("<5.23", ["5.22.2", "5.23.0"], []),
+        ("<5.30", ["5.22.2", "5.24.0"], []),  # above the newest cell: nothing to prove yet
+        ("<0.29", ["0.25.1", "0.29.1"], ["0.28.x, the last line inside < 0.29"]),
+        ("<1.0", ["0.29.1", "1.16.0"], []),  # the last 0.x line is not known from the bound
+        ("<=5.20", ["5.14.1", "5.24.0"], ["5.20.x, the last line inside <= 5.20"]),
+        (">=5.16,<5.23", ["5.14.1", "5.16.0", "5.22.2", "5.24.0"], []),
+    ],
+)
+def test_gate_edges_are_release_lines(requires, measured, wanted):
+    assert matrix.missing_edges(requires, measured) == wanted
+
+
+def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
+    def with_target(version, verdict, target_requires, admitted):
+        r = report(version, verdict, ">=4.57")
+        gate = r["patches"][0]
+        gate["targets"] = [dict(target="trl.models.utils:f", distribution="transformers", requires=target_requires,
+                                gated_as=version, admitted=admitted)]
+        gate["admitted"] = gate["admitted"] and admitted
+        return r
+
+    reports = {"a": with_target("4.57.6", "not affected", ">=5.16", False), "b": with_target("5.20.2", "fixed", ">=5.16", True)}
+    problems, _ = matrix.check(reports)
+    assert [text for cell, text in problems if cell is not None] == []  # outside the target's gate: not affected is right
+    assert any("target trl.models.utils:f gate transformers>=5.16 needs a cell on transformers 5.16.x" in t for t in texts(problems))
+    assert "`transformers>=4.57`; targets `transformers>=5.16`" in matrix.render(reports)
+
+
+def test_a_patch_without_self_check_or_with_stale_reports_fails():
+    assert "no self_check" in texts(matrix.check({"a": report("5.0.0", "no self-check", self_check=False)})[0])[0]
+    stale = {"a": report("5.0.0", "fixed", ">=5.0"), "b": report("5.1.0", "fixed", ">=5.1")}
+    assert any("disagree on the gate" in t for t in texts(matrix.check(stale)[0]))
+
+
+def test_new_patches_are_new_rows_and_the_readme_block_round_trips(tmp_path, monkeypatch):
+    reports = {"old": report("4.57.6", "not affected"), "new": report("5.0.0", "fixed")}
+    for cell, verdict in (("old", "not affected"), ("new", "fixed")):
+        extra = report(reports[cell]["versions"]["transformers"], verdict, name="second")
+        reports[cell]["patches"] += extra["patches"]
+        reports[cell]["findings"].update(extra["findings"])
+    table = matrix.render(reports)
+    rows = [line for line in table.splitlines() if line.startswith("| `demo`") or line.startswith("| `second`")]
+    assert rows == [f"| `{n}` | `transformers>=5.0` | not needed | applied, fixed |" for n in ("demo", "second")]
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{matrix.START}\nold table\n{matrix.END}\noutro\n")
+    monkeypatch.setattr(matrix, "README", readme)
+    assert matrix.readme_block() == "old table"
+    matrix.write_readme(table)
+    assert matrix.readme_block() == table
+    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith(f"{matrix.END}\noutro\n")
+
+
+def test_every_cell_has_a_constraints_file_pinning_torch_first():
+    for cell in matrix.CELLS:
+        lines = [line for line in cell.constraints.read_text().splitlines() if line and not line.startswith("#")]
+        assert lines[0] == "torch==2.13.0", cell.name
+        assert any(line.startswith("transformers==") for line in lines) and any(line.startswith("trl==") for line in lines)
+
+
+def test_the_saved_doctor_table_is_the_one_doctor_prints():
+    from shim.cli import _table
+
+    findings = [dict(name="demo", installed="5.0.0", state="applied", bug_upstream="yes", bug_with_shim="no",
+                     verdict="fixed", detail="d"),
+                dict(name="other-patch", installed="4.57.6", state="skipped", bug_upstream="-", bug_with_shim="-",
+                     verdict="check error", detail="ImportError('x')")]
+    rows = [[f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings]
+    expected = _table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"])
+    assert matrix.doctor_table(findings) == expected + "\nother-patch: check error: ImportError('x')"
