@@ -30,7 +30,7 @@ import sys
 from shim import Patch, Target
 
 from ._arguments import argument
-from ._checkpointing import disable, enable, is_checkpointing
+from ._checkpointing import accepts, disable, enable, is_checkpointing
 
 _DEFAULTS = {"every_n_layers": 1, "offload": False}
 
@@ -75,13 +75,7 @@ def _narrowed_call(model, override, values: dict):
 
 
 def _takes(override, name: str) -> bool:
-    import inspect
-
-    try:
-        parameters = inspect.signature(override).parameters
-    except (TypeError, ValueError):
-        return True
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    return accepts(override, name) == "keyword"
 
 
 def _narrow(override) -> bool:
