@@ -184,9 +184,17 @@ def assert_checkpointing_intact(run: Run, ranks: int) -> None:
 
 
 def _applies(distribution: str, rule: str) -> bool:
+    """Whether the installed ``distribution`` is inside ``rule``; ``False`` when it is not installed
+    (the module is collected, and deselected, in environments without deepspeed too)."""
+    from importlib.metadata import PackageNotFoundError
+
     from packaging.specifiers import SpecifierSet
 
-    return Version(Version(version(distribution)).base_version) in SpecifierSet(rule)
+    try:
+        installed = version(distribution)
+    except PackageNotFoundError:
+        return False
+    return Version(Version(installed).base_version) in SpecifierSet(rule)
 
 
 # ---------------------------------------------------------------------------------------------------------
