@@ -1,8 +1,9 @@
 """The patch registry: when to apply each patch, and the record of what happened.
 
-Applying is lazy: a patch whose target modules are not all imported yet waits for them through
-wrapt post-import hooks, and is applied right after the last one finishes importing. Nothing here
-imports a target module.
+Applying is lazy: each target is wrapped right after its module finishes importing (wrapt
+post-import hooks), or at once if it already has; the version gate is decided then. If a target
+fails, the targets of that patch already wrapped are unwrapped again. Nothing here imports a
+target module.
 """
 
 from __future__ import annotations
