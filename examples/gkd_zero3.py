@@ -66,7 +66,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_model(tokenizer, seed: int):
+def build_model(tokenizer, seed: int, num_hidden_layers: int = 2):
     """A tiny Llama. Built with ``from_config`` after the GKDConfig exists, so that under ZeRO-3 it is
     created inside ``deepspeed.zero.Init`` (partitioned), as ``from_pretrained`` would."""
     torch.manual_seed(seed)
@@ -74,7 +74,7 @@ def build_model(tokenizer, seed: int):
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=64,

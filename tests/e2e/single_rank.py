@@ -6,7 +6,7 @@ import shim  # noqa: F401  -- first line, as for a user (SHIM_DISABLE=all switch
 #
 #     python tests/e2e/single_rank.py {grpo,dpo} LOG_DIR [--max-steps N]
 #
-# The tiny tokenizer and the recording callback are the example's (examples/gkd_zero3.py).
+# The tiny tokenizer, model and the recording callback are the example's (examples/gkd_zero3.py).
 
 import argparse
 import inspect
@@ -15,10 +15,11 @@ import sys
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from gkd_zero3 import CheckpointingLog, build_tokenizer  # noqa: E402
+from gkd_zero3 import build_model as build_tiny_llama  # noqa: E402
 
 NUM_LAYERS = 4
 
@@ -40,20 +41,7 @@ def configured_kwargs() -> dict:
 
 
 def build_model(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return AutoModelForCausalLM.from_config(config)
+    return build_tiny_llama(tokenizer, seed=0, num_hidden_layers=NUM_LAYERS)
 
 
 def common_args(log_dir: str, max_steps: int, configured: dict) -> dict:
