@@ -40,14 +40,10 @@ def _cleaning_enable(kwargs_name: str):
         config = dict(config)
         lifted = {name: config.pop(name) for name in _PARAMETERS if name in config}
         config.pop("selective", None)
+        # Everything by keyword: the enable methods take (kwargs, every_n_layers, offload) and nothing more.
         call = dict(kwargs)
+        call.update(zip((kwargs_name, *_PARAMETERS), args))  # given positionally: explicit, it wins
         call[kwargs_name] = config or None
-        positional = list(args[:1])
-        if positional:
-            positional[0] = call.pop(kwargs_name)
-        for index, name in enumerate(_PARAMETERS, start=1):
-            if len(args) > index:
-                call[name] = args[index]  # given positionally: explicit, it wins
         supported = _supported_parameters(wrapped)
         for name, value in lifted.items():
             if name in supported:
@@ -59,7 +55,7 @@ def _cleaning_enable(kwargs_name: str):
                     "checkpointing kwargs instead of passing it to torch.utils.checkpoint",
                     getattr(sys.modules.get("transformers"), "__version__", "?"), name, name, value,
                 )
-        return wrapped(*positional, **call)
+        return wrapped(**call)
 
     return wrapper
 

@@ -71,11 +71,10 @@ def _self_check() -> bool:
 
     from shim.selfcheck import tiny_llama_config
 
-    from ._checkpointing import disable, enable
+    from ._checkpointing import ENABLE, disable, enable, method
 
     model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4))
-    name = "activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing_enable"
-    configure = getattr(model, name)
+    _name, configure = method(model, ENABLE)
     config = {"use_reentrant": True, "preserve_rng_state": False}
     if "every_n_layers" in inspect.signature(configure).parameters:
         configure(config, every_n_layers=2)
