@@ -27,7 +27,8 @@ KWARGS_NAME = {
 
 
 def layer_state(model) -> dict:
-    """``{module name: (flag, checkpoint function)}`` for every module that can checkpoint."""
+    """``{module name: (flag, checkpoint function)}`` for every module that can checkpoint
+    (readable and comparable; the patches use the cheaper :func:`capture`)."""
     return {
         name: (module.gradient_checkpointing, getattr(module, "_gradient_checkpointing_func", MISSING))
         for name, module in model.named_modules()
@@ -35,18 +36,90 @@ def layer_state(model) -> dict:
     }
 
 
-def restore_layer_state(model, state: dict) -> None:
-    for name, module in model.named_modules():
-        if name in state:
-            flag, function = state[name]
-            module.gradient_checkpointing = flag
-            if function is not MISSING:
+# class -> whether it declares a ``gradient_checkpointing`` attribute; cleared when it grows large,
+# so classes made on the fly are not kept alive.
+_class_can_checkpoint: dict = {}
+
+
+def can_checkpoint(module) -> bool:
+    """Whether ``module`` holds a ``gradient_checkpointing`` flag of its own or of its class.
+
+    Equivalent to transformers' ``hasattr(module, "gradient_checkpointing")`` for the modules it
+    has set the flag on, without ``Module.__getattr__``'s costly miss on every other module: the
+    answer for a class is computed once.
+    """
+    if "gradient_checkpointing" in module.__dict__:
+        return True
+    cls = type(module)
+    known = _class_can_checkpoint.get(cls)
+    if known is None:
+        if len(_class_can_checkpoint) > 1024:
+            _class_can_checkpoint.clear()
+        known = _class_can_checkpoint[cls] = any("gradient_checkpointing" in vars(c) for c in cls.__mro__)
+    return known
+
+
+def capture(model) -> list:
+    """``[(module, flag, checkpoint function)]`` for every module of ``model`` that can checkpoint.
+
+    A walk over ``_modules`` with ``__dict__`` reads: it runs on every disable (trl: every
+    generation step), so it must cost a fraction of what transformers' own walk costs.
+    """
+    captured = []
+    seen = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if can_checkpoint(module):
+            function = module.__dict__.get("_gradient_checkpointing_func", MISSING)
+            captured.append((module, module.gradient_checkpointing, function))
+        stack.extend(child for child in module._modules.values() if child is not None)
+    return captured
+
+
+def same_function(first, second) -> bool:
+    """Whether two checkpoint functions do the same: the same object, or partials of the same
+    function with equal arguments (each enable builds a new partial, even for the same configuration)."""
+    if first is second:
+        return True
+    if isinstance(first, functools.partial) and isinstance(second, functools.partial):
+        return (
+            first.func is second.func and first.args == second.args and first.keywords == second.keywords
+        )  # fmt: skip
+    return False
+
+
+def restore(captured: list) -> tuple[int, object]:
+    """Put a :func:`capture` back where it differs from what the modules hold now.
+
+    Returns how many modules it changed and the first checkpoint function it replaced
+    (``MISSING`` if none), which tells what upstream had configured instead.
+    """
+    changed, replaced = 0, MISSING
+    for module, flag, function in captured:
+        differs = module.gradient_checkpointing != flag
+        if function is not MISSING:
+            current = module.__dict__.get("_gradient_checkpointing_func", MISSING)
+            if not same_function(current, function):
                 module._gradient_checkpointing_func = function
+                replaced = current if replaced is MISSING else replaced
+                differs = True
+        if differs:
+            module.gradient_checkpointing = flag
+            changed += 1
+    return changed, replaced
 
 
-def configured_kwargs(state: dict):
-    """The kwargs of the checkpoint partial that the checkpointing layers share, or ``None``."""
-    for flag, function in state.values():
+def configured_kwargs(functions) -> dict | None:
+    """The kwargs of the checkpoint partial that the checkpointing layers share, or ``None``.
+
+    ``functions`` are ``(flag, function)`` pairs: the values of :func:`layer_state`, or a
+    :func:`capture` read as ``(flag, function) for _module, flag, function in captured``.
+    """
+    for flag, function in functions:
         if flag and isinstance(function, functools.partial):
             return dict(function.keywords)
     return None
@@ -76,20 +149,38 @@ def method(model, names: tuple[str, str]):
 _accepts_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _accepts(function, keyword: str) -> str:
-    """How ``function`` can receive ``keyword``: "keyword", "positional" or "" (not at all)."""
+def _parameters(function):
+    """``function``'s parameters without ``self``/``cls``, or ``None`` when they cannot be read."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
-        return "keyword"  # cannot tell: call it the way upstream does
+        return None
     if parameters and parameters[0].name in ("self", "cls") and not inspect.ismethod(function):
         parameters = parameters[1:]
+    return parameters
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _accepts(function, keyword: str) -> str:
+    """How ``function`` can receive ``keyword``: "keyword", "positional" or "" (not at all).
+
+    The pseudo-keyword ``"*"`` asks whether it takes one positional argument at all:
+    "positional" or "".
+    """
+    parameters = _parameters(function)
+    if parameters is None:
+        return "keyword" if keyword != "*" else "positional"  # cannot tell: call it the way upstream does
+    if keyword == "*":
+        takes = any(p.kind in _POSITIONAL or p.kind is p.VAR_POSITIONAL for p in parameters)
+        return "positional" if takes else ""
     for parameter in parameters:
         if parameter.name == keyword and parameter.kind is not parameter.POSITIONAL_ONLY:
             return "keyword"
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return "keyword"
-    if parameters and parameters[0].kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+    if parameters and parameters[0].kind in _POSITIONAL:
         return "positional"
     return ""
 
@@ -104,6 +195,11 @@ def accepts(bound, keyword: str) -> str:
     if keyword not in per_keyword:
         per_keyword[keyword] = _accepts(function, keyword)
     return per_keyword[keyword]
+
+
+def takes_positional(bound) -> bool:
+    """Whether ``bound`` can be called with one positional argument."""
+    return accepts(bound, "*") == "positional"
 
 
 def enable(model, checkpoint_kwargs) -> None:

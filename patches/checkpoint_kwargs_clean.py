@@ -23,10 +23,12 @@ import logging
 import sys
 
 from shim import Patch, Target
+from shim.effects import record
 
 from ._arguments import argument
 
 log = logging.getLogger("shim")
+NAME = "checkpoint-kwargs-clean"
 _PARAMETERS = ("every_n_layers", "offload")
 _NOT_FOR_CHECKPOINT = frozenset(_PARAMETERS + ("selective",))
 _DEFAULTS = {"every_n_layers": 1, "offload": False}
@@ -38,8 +40,15 @@ def _cleaning_enable(kwargs_name: str):
         if not config or _NOT_FOR_CHECKPOINT.isdisjoint(config):
             return wrapped(*args, **kwargs)
         config = dict(config)
+        moved = sorted(_NOT_FOR_CHECKPOINT.intersection(config))
         lifted = {name: config.pop(name) for name in _PARAMETERS if name in config}
         config.pop("selective", None)
+        record(
+            NAME,
+            "took %s out of the checkpointing kwargs of %s, which transformers would pass to "
+            "torch.utils.checkpoint; every_n_layers/offload became the parameters they are",
+            ", ".join(moved), type(instance).__name__,
+        )  # fmt: skip
         # Everything by keyword: the enable methods take (kwargs, every_n_layers, offload) and nothing more.
         call = dict(kwargs)
         call.update(zip((kwargs_name, *_PARAMETERS), args))  # given positionally: explicit, it wins
@@ -84,7 +93,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="checkpoint-kwargs-clean",
+    name=NAME,
     summary="every_n_layers/offload inside the checkpointing kwargs act as parameters; they and trl's 'selective' never reach torch.utils.checkpoint.",
     distribution="transformers",
     requires=">=4.57",

@@ -28,9 +28,12 @@ import contextlib
 import sys
 
 from shim import Patch, Target
+from shim.effects import record
 
 from ._arguments import argument
-from ._checkpointing import accepts, disable, enable, is_checkpointing
+from ._checkpointing import accepts, disable, enable, is_checkpointing, takes_positional
+
+NAME = "checkpointing-call-signature"
 
 _DEFAULTS = {"every_n_layers": 1, "offload": False}
 
@@ -45,6 +48,30 @@ def _disable_gradient_checkpointing(model, gradient_checkpointing_kwargs=None):
     finally:
         if was_enabled:
             enable(model, gradient_checkpointing_kwargs)
+            _note_trl_call_adapted(model, gradient_checkpointing_kwargs)
+
+
+def _note_trl_call_adapted(model, gradient_checkpointing_kwargs) -> None:
+    """Record an effect when trl's own re-enable, a positional call, would have raised."""
+    trl_calls = getattr(model, "gradient_checkpointing_enable", None)
+    if trl_calls is None or takes_positional(trl_calls):
+        return
+    function = getattr(trl_calls, "__func__", trl_calls)
+    record(
+        NAME,
+        "re-enabled checkpointing on %s through its signature %s; trl's disable_gradient_checkpointing "
+        "would have passed %r positionally and raised TypeError",
+        type(model).__name__, _signature(function), gradient_checkpointing_kwargs,
+    )  # fmt: skip
+
+
+def _signature(function) -> str:
+    import inspect
+
+    try:
+        return f"{function.__qualname__}{inspect.signature(function)}"
+    except (TypeError, ValueError, AttributeError):
+        return repr(function)
 
 
 def _trl_disable_gradient_checkpointing(wrapped, instance, args, kwargs):
@@ -55,14 +82,14 @@ def _trl_disable_gradient_checkpointing(wrapped, instance, args, kwargs):
 
 def _narrowed_call(model, override, values: dict):
     """Call ``override`` with the keywords of ``values`` it accepts; defaults it cannot take are left out."""
-    call = {}
+    call, left_out = {}, []
     for name, value in values.items():
         if _takes(override, name):
             call[name] = value
         elif name == "gradient_checkpointing_kwargs" and value is None:
             continue
         elif name in _DEFAULTS and value == _DEFAULTS[name]:
-            continue
+            left_out.append(f"{name}={value!r}")
         else:
             function = getattr(override, "__func__", override)
             raise TypeError(
@@ -71,6 +98,13 @@ def _narrowed_call(model, override, values: dict):
                 f"on to super().gradient_checkpointing_enable(...) (raised by the shim patch "
                 f"'checkpointing-call-signature' instead of dropping the setting silently)."
             )
+    if left_out:
+        record(
+            NAME,
+            "left %s out of the call to %s, which cannot take them; transformers passes them and the "
+            "override would have raised TypeError",
+            ", ".join(left_out), _signature(getattr(override, "__func__", override)),
+        )  # fmt: skip
     return override(**call)
 
 
@@ -164,7 +198,7 @@ def _trl_disable_context():
 
 
 PATCH = Patch(
-    name="checkpointing-call-signature",
+    name=NAME,
     summary="Re-enable calls from trl and transformers fit keyword-only, **kwargs-only and older override signatures.",
     distribution="transformers",
     requires=">=4.57",

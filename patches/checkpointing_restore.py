@@ -22,42 +22,67 @@ whose identity transformers' ``_is_overridden`` compares.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from shim import Patch, Target
+from shim.effects import record
 
 from ._arguments import argument
-from ._checkpointing import configured_kwargs, layer_state, restore_layer_state
+from ._checkpointing import MISSING, capture, configured_kwargs, layer_state, restore
 
-# model -> layer state captured at its last disable; weak, so a captured model can still be freed.
+NAME = "checkpointing-restore"
+# model -> capture() at its last disable; weak, so a captured model can still be freed.
 _captured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _set_gradient_checkpointing(wrapped, instance, args, kwargs):
     if instance is not None and not argument(args, kwargs, 0, "enable", True):
-        state = layer_state(instance)
-        if any(flag for flag, _function in state.values()):
-            _captured[instance] = state
+        captured = capture(instance)
+        if any(flag for _module, flag, _function in captured):
+            _captured[instance] = captured
     return wrapped(*args, **kwargs)
 
 
-def _carries_no_configuration(checkpoint_kwargs, every_n_layers, offload, state) -> bool:
+def _carries_no_configuration(checkpoint_kwargs, every_n_layers, offload, captured) -> bool:
     if every_n_layers != 1 or offload:
         return False
-    return not checkpoint_kwargs or dict(checkpoint_kwargs) == configured_kwargs(state)
+    return not checkpoint_kwargs or dict(checkpoint_kwargs) == _kwargs_of(captured)
+
+
+def _kwargs_of(captured) -> dict | None:
+    return configured_kwargs((flag, function) for _module, flag, function in captured)
+
+
+def _describe(kwargs) -> str:
+    if kwargs is MISSING:
+        return "the same kwargs with another layer pattern"
+    if kwargs is None:
+        return "no checkpoint kwargs"
+    if isinstance(kwargs, dict):
+        return repr(kwargs)
+    return f"checkpoint function {getattr(kwargs, '__qualname__', type(kwargs).__name__)}"
 
 
 def _restoring_enable(kwargs_name: str):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        state = _captured.pop(instance, None) if instance is not None else None
-        if state is not None and _carries_no_configuration(
+        captured = _captured.pop(instance, None) if instance is not None else None
+        if captured is not None and _carries_no_configuration(
             argument(args, kwargs, 0, kwargs_name, None),
             argument(args, kwargs, 1, "every_n_layers", 1),
             argument(args, kwargs, 2, "offload", False),
-            state,
+            captured,
         ):
-            restore_layer_state(instance, state)
+            changed, replaced = restore(captured)
+            if changed:
+                upstream = dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced
+                record(
+                    NAME,
+                    "%s was re-enabled without a configuration: transformers reset it to %s, the shim restored "
+                    "%s on %d module(s)",
+                    type(instance).__name__, _describe(upstream), _describe(_kwargs_of(captured)), changed,
+                )  # fmt: skip
         return result
 
     return wrapper
@@ -87,7 +112,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="checkpointing-restore",
+    name=NAME,
     summary="Re-enabling gradient checkpointing without arguments restores the configuration it had.",
     distribution="transformers",
     requires=">=4.57",

@@ -14,6 +14,9 @@ registers new ones.
 from __future__ import annotations
 
 from shim import Patch, Target
+from shim.effects import record
+
+NAME = "input-grad-hook-dedupe"
 
 
 def _enable_input_require_grads(wrapped, instance, args, kwargs):
@@ -22,9 +25,23 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
         single = getattr(instance, "_require_grads_hook", None)
         if single is not None:
             held.append(single)
+        live = sum(1 for handle in dict.fromkeys(held) if _is_live(handle))
         for handle in held:
             handle.remove()  # RemovableHandle.remove() is idempotent
+        if live:
+            record(
+                NAME,
+                "removed %d input-require-grads hook(s) that %s still held before transformers added "
+                "new ones (upstream leaves them registered, one more per checkpointing cycle)",
+                live, type(instance).__name__,
+            )  # fmt: skip
     return wrapped(*args, **kwargs)
+
+
+def _is_live(handle) -> bool:
+    """Whether a torch ``RemovableHandle`` still has its hook registered."""
+    hooks = getattr(handle, "hooks_dict_ref", lambda: None)()
+    return hooks is not None and getattr(handle, "id", None) in hooks
 
 
 def input_hook_count(model) -> int:
@@ -48,7 +65,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="input-grad-hook-dedupe",
+    name=NAME,
     summary="At most one input-require-grads hook on the embeddings across checkpointing cycles.",
     distribution="transformers",
     requires=">=5.0",

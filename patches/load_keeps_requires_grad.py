@@ -19,9 +19,17 @@ parameters, stable across them, are used.
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 from shim import Patch, Target
+from shim.effects import record
 
 from ._arguments import argument, leading_parameters
+
+NAME = "load-keeps-requires-grad"
+# model -> parameters kept frozen in it so far (weak: the ledger must not keep a model alive).
+_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 # class -> names of its attributes: a submodule name that is also one of them is resolved by
@@ -70,7 +78,21 @@ def _load_keeping_frozen(wrapped, args, kwargs, model, dotted_name):
         after = module._parameters.get(attribute)
         if after is not None and after is not before and after.requires_grad:
             after.requires_grad_(False)
+            _count_kept(model)
     return result
+
+
+def _count_kept(model) -> None:
+    try:
+        kept = _kept[model] = _kept.get(model, 0) + 1
+    except TypeError:  # not weak-referenceable: count this one alone
+        kept = 1
+    version = getattr(sys.modules.get("transformers"), "__version__", "?")
+    record(
+        NAME,
+        "kept %d parameter(s) of %s frozen that transformers %s made trainable while loading",
+        kept, type(model).__name__, version,
+    )  # fmt: skip
 
 
 def _set_param_for_module(wrapped, instance, args, kwargs):
@@ -117,7 +139,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="load-keeps-requires-grad",
+    name=NAME,
     summary="Frozen parameters stay frozen through from_pretrained (transformers 5.x resets requires_grad).",
     distribution="transformers",
     requires=">=5.0",

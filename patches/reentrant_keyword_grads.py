@@ -49,7 +49,9 @@ import functools
 import sys
 
 from shim import Patch, Target
+from shim.effects import record
 
+NAME = "reentrant-keyword-grads"
 _ATTRIBUTE = "_gradient_checkpointing_func"
 _partial = functools.partial
 _torch = None  # bound on first use: the patch module must not import torch at import time
@@ -154,10 +156,11 @@ def is_reentrant(function) -> bool:
 class _Lifting:
     """Stands in for a layer's checkpoint function during one diverted call."""
 
-    __slots__ = ("original",)
+    __slots__ = ("original", "layer")
 
-    def __init__(self, original) -> None:
+    def __init__(self, original, layer: str) -> None:
         self.original = original
+        self.layer = layer  # the class name, for the effects ledger
 
     def __call__(self, function, *args, **options):
         original = self.original
@@ -168,6 +171,13 @@ class _Lifting:
         if not lifted:
             return original(function, *args, **options)
         run, bound, count = function.func, function.args, len(args)
+        record(
+            NAME,
+            "passed %d grad-requiring keyword tensor(s) (%s) of %s to reentrant checkpointing as inputs, "
+            "which upstream leaves inside the partial, without gradients",
+            len(lifted), ", ".join(key for key, value in template.items() if value is not function.keywords[key]),
+            self.layer,
+        )  # fmt: skip
 
         def recompute(*inputs):
             keywords = {key: _fill(value, inputs[count:]) for key, value in template.items()}
@@ -204,7 +214,7 @@ def _diverted(wrapped, instance, function, args, kwargs):
     """Run the layer's call with its checkpoint function swapped for a lifting one."""
     state = instance.__dict__
     own = _ATTRIBUTE in state
-    lifting = _Lifting(function)
+    lifting = _Lifting(function, type(instance).__name__)
     state[_ATTRIBUTE] = lifting
     try:
         return wrapped(*args, **kwargs)
@@ -323,7 +333,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="reentrant-keyword-grads",
+    name=NAME,
     summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
     distribution="transformers",
     requires=">=4.57",

@@ -19,11 +19,13 @@ import logging
 import sys
 
 from shim import Patch, Target
+from shim.effects import record
 
 from ._arguments import argument
 from ._checkpointing import enable, is_checkpointing
 
 log = logging.getLogger("shim")
+NAME = "trl-restore-on-error"
 
 
 def _zero3_hooks_removed(engine) -> bool:
@@ -59,14 +61,23 @@ class _RestoreOnError:
                 self._clean_up_after(exc_type)
 
     def _clean_up_after(self, exc_type) -> None:
+        done = []
         try:
             if self._gather and _zero3_hooks_removed(self._model):
                 sys.modules["trl.models.utils"].add_hooks(self._model)
+                done.append("re-added DeepSpeed ZeRO-3 hooks")
             if self._was_checkpointing and not is_checkpointing(self._unwrapped):
                 enable(self._unwrapped, self._checkpoint_kwargs)
-                log.info("trl-restore-on-error: re-enabled checkpointing after %s in generation", exc_type.__name__)
+                done.append("re-enabled gradient checkpointing")
         except Exception:  # the body's exception is the one the user must see
-            log.exception("trl-restore-on-error: could not restore checkpointing after %s", exc_type.__name__)
+            log.exception("%s: could not restore checkpointing after %s", NAME, exc_type.__name__)
+        if done:
+            record(
+                NAME,
+                "%s raised inside trl's unwrap_model_for_generation on %s, which trl leaves without "
+                "checkpointing; the shim %s",
+                exc_type.__name__, type(self._unwrapped).__name__, " and ".join(done),
+            )  # fmt: skip
 
 
 def _unwrap_model_for_generation(wrapped, instance, args, kwargs):
@@ -102,7 +113,7 @@ def _self_check() -> bool:
 
 
 PATCH = Patch(
-    name="trl-restore-on-error",
+    name=NAME,
     summary="An exception inside trl's unwrap_model_for_generation no longer leaves checkpointing off.",
     distribution="trl",
     requires=">=0.22",

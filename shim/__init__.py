@@ -1,12 +1,14 @@
 """hf-train-shim: ``import shim`` fixes known bugs of the installed transformers / trl / peft.
 
-Each fix is a version-gated wrapt patch from the ``patches`` package. Importing ``shim`` activates
-all of them: a patch whose target module is already imported is applied at once, the others right
-after their module is first imported. ``shim`` itself imports neither torch nor transformers.
+Each fix is a version-gated wrapt patch from the ``shim.patches`` catalogue. Importing ``shim``
+activates all of them: a patch whose target module is already imported is applied at once, the
+others right after their module is first imported. ``shim`` itself imports neither torch nor
+transformers, nor any patch module before one of its targets is imported.
 
 Public API::
 
-    shim.status()                     # one PatchStatus per patch
+    shim.status()                     # one PatchStatus per patch: state, reason, effects
+    shim.report()                     # the effects table (also printed at exit with SHIM_REPORT=1)
     shim.activate(); shim.deactivate()
     shim.enable(*names); shim.disable(*names)
     with shim.disabled(*names): ...   # no names = all
@@ -16,15 +18,20 @@ Public API::
 
 from __future__ import annotations
 
+import importlib
 import logging
 
-from . import catalogue, settings
+from . import catalogue, effects, settings
 from .errors import PatchError, ShimWarning
-from .patch import Patch, Target
-from .registry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, PatchStatus, Registry
+from .registry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Registry
 
 __version__ = "0.1.0"
 __all__ = [
+    "APPLIED",
+    "DISABLED",
+    "FAILED",
+    "PENDING",
+    "SKIPPED",
     "Patch",
     "PatchError",
     "PatchStatus",
@@ -38,22 +45,41 @@ __all__ = [
     "enable",
     "register",
     "registry",
+    "report",
     "status",
 ]
+
+# Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
+# which only a patch that applies, or a status, has to pay for.
+_LAZY = {"Patch": "patch", "Target": "patch", "PatchStatus": "records"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 logging.getLogger("shim").addHandler(logging.NullHandler())
 settings.configure_logging()
 
 #: The process's registry of built-in patches (a reload of ``shim`` builds a new one, which adopts
 #: the layers already in the targets instead of adding more).
-registry = Registry(catalogue.builtin_patches())
+registry = Registry(catalogue.builtin())
 
 status = registry.status
+report = registry.report
 activate = registry.activate
 deactivate = registry.deactivate
 enable = registry.enable
 disable = registry.disable
 disabled = registry.disabled
 register = registry.register
+
+if settings.flag("SHIM_REPORT"):
+    effects.report_at_exit()
 
 activate()

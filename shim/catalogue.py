@@ -1,41 +1,52 @@
-"""Loading the built-in patches from the ``patches`` package that ships with the shim."""
+"""The built-in patches, known from ``shim.patches.INDEX`` until one of their targets is imported.
+
+``import shim`` reads the index only: it names each patch's target modules and gate, which is
+all the registry needs to hook the imports. The patch module itself (and ``packaging``, and
+whatever the patch needs) is imported when a target is, or when a status is asked for.
+"""
 
 from __future__ import annotations
 
 import importlib
-import logging
-import sys
+from typing import TYPE_CHECKING
 
-from .patch import Patch
 from .settings import warn_once
 
-log = logging.getLogger("shim")
-
-#: Set in ``patches/__init__.py``; a ``patches`` module without it is someone else's.
-MARKER = "HF_TRAIN_SHIM_CATALOGUE"
+if TYPE_CHECKING:
+    from .patch import Patch
 
 
-def builtin_patches() -> list[Patch]:
-    """Every ``PATCH`` declared by the modules listed in ``patches.MODULES``.
+class Listing:
+    """One built-in patch as the index declares it; :meth:`load` imports its module."""
 
-    If another module called ``patches`` (a local file or folder of the user's) shadows ours,
-    the shim warns and runs without built-in patches rather than failing obscurely.
-    """
+    __slots__ = ("name", "module", "distribution", "requires", "modules")
+
+    def __init__(self, name: str, module: str, distribution: str, requires: str, modules: tuple[str, ...]) -> None:
+        self.name = name
+        self.module = f"{__package__}.patches.{module}"
+        self.distribution = distribution
+        self.requires = requires
+        self.modules = modules
+
+    def load(self) -> Patch:
+        patch: Patch = importlib.import_module(self.module).PATCH
+        if patch.name != self.name:
+            raise ImportError(f"{self.module} declares {patch.name!r}, the index says {self.name!r}")
+        return patch
+
+    def __repr__(self) -> str:
+        return f"<Listing {self.name} ({self.module})>"
+
+
+def builtin() -> list[Listing]:
+    """Every built-in patch, in the index's order; none (with a warning) if the catalogue is missing."""
     try:
-        package = importlib.import_module("patches")
+        from . import patches
     except ImportError as exc:
-        warn_once(f"the shim's 'patches' package could not be imported ({exc}); no built-in patches are active")
-        return []
-    if not getattr(package, MARKER, False):
-        where = getattr(package, "__file__", None) or getattr(package, "__path__", None) or "<unknown>"
         warn_once(
-            f"a module named 'patches' at {where} shadows hf-train-shim's own 'patches' package, "
-            "so no built-in patches are active; rename your module (or remove its folder from sys.path "
-            "before 'import shim')"
+            f"hf-train-shim's catalogue shim.patches cannot be imported ({exc}), so no built-in patch is "
+            "active; install the shim (pip install hf-train-shim, or pip install -e . in a clone) instead "
+            "of putting its folder on sys.path"
         )
         return []
-    found = []
-    for module_name in package.MODULES:
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        found.append(module.PATCH)
-    return found
+    return [Listing(*row) for row in patches.INDEX]

@@ -116,3 +116,7 @@ class Patch:
     @property
     def requirement(self) -> str:
         return f"{self.distribution}{self.requires}"
+
+    def load(self) -> "Patch":
+        """A patch is its own declaration (the catalogue's listings load theirs from a module)."""
+        return self

@@ -1,9 +1,10 @@
 """The patch registry: when to apply each patch, and the record of what happened.
 
 Applying is lazy: each target is wrapped right after its module finishes importing (wrapt
-post-import hooks), or at once if it already has; the version gate is decided then. If a target
-fails, the targets of that patch already wrapped are unwrapped again. Nothing here imports a
-target module.
+post-import hooks), or at once if it already has; the patch's module, its version gate and its
+shape probes are loaded and decided then. If a target fails, the targets of that patch already
+wrapped are unwrapped again. Nothing here imports a target module, and ``import shim`` imports
+neither ``packaging`` nor a patch module: both wait for the first target.
 """
 
 from __future__ import annotations
@@ -12,18 +13,36 @@ import contextlib
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence
 
 import wrapt
 
-from . import settings, versions, wrapping
+from . import effects, settings, wrapping
 from .errors import PatchError
-from .patch import Patch
+
+if TYPE_CHECKING:
+    from .patch import Patch
+    from .records import PatchStatus
+    from .versions import GateDecision
 
 log = logging.getLogger("shim")
 
 APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
+SUSPENDED_REASON = "inside shim.disabled()"
+
+
+class Declared(Protocol):
+    """What the registry needs of a patch before applying it: a :class:`~shim.Patch`, or a
+    catalogue listing that imports the patch's module on :meth:`load`."""
+
+    name: str
+    distribution: str
+    requires: str
+
+    @property
+    def modules(self) -> tuple[str, ...]: ...
+
+    def load(self) -> Patch: ...
 
 
 def _imported(module_name: str) -> bool:
@@ -35,45 +54,37 @@ def _imported(module_name: str) -> bool:
     return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
-@dataclass(frozen=True)
-class PatchStatus:
-    """What the registry did with one patch (``shim.status()`` returns one per patch)."""
-
-    name: str
-    state: str
-    reason: str
-    targets: tuple[str, ...]
-    requires: str
-    installed: Optional[str]
-    summary: str = ""
-    references: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-
-
-@dataclass
 class _Entry:
-    patch: Patch
-    switch: wrapping.Switch = field(default_factory=wrapping.Switch)
-    state: str = PENDING
-    reason: str = "not activated"
-    installed: Optional[str] = None
-    # (module object, attribute path, wrapper handle, original) for each target we wrapped or adopted
-    layers: list = field(default_factory=list)
-    rebound: list = field(default_factory=list)
-    hooked: set = field(default_factory=set)
-    done_modules: set = field(default_factory=set)
-    gate: Optional[versions.GateDecision] = None
-    notes: list = field(default_factory=list)
-    applied_reason: str = ""
-    settled: bool = False  # skipped or failed for good (until deactivate/activate)
+    """The registry's state for one patch."""
+
+    __slots__ = (
+        "declared", "patch", "switch", "state", "reason", "installed", "active", "explicit", "layers",
+        "rebound", "hooked", "done_modules", "gate", "notes", "applied_reason", "settled",
+    )  # fmt: skip
+
+    def __init__(self, declared: Declared, active: bool) -> None:
+        self.declared = declared
+        self.patch: Optional[Patch] = None  # loaded on the first target import (or a status)
+        self.switch = wrapping.Switch()
+        self.state, self.reason = PENDING, "not activated"
+        self.installed: Optional[str] = None
+        self.active = active  # activate()/enable() vs deactivate()
+        self.explicit = False  # switched on with enable(): wins over SHIM_DISABLE, until disable()
+        # (module object, attribute path, wrapper handle, original) for each target we wrapped or adopted
+        self.layers: list[tuple[Any, str, Any, Any]] = []
+        self.rebound: list[tuple[Any, str, Any, Any]] = []
+        self.hooked: set[str] = set()
+        self.done_modules: set[str] = set()
+        self.gate: Optional[GateDecision] = None
+        self.notes: list[str] = []
+        self.applied_reason = ""
+        self.settled = False  # skipped or failed for good (until deactivate/activate)
 
 
 class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
-    def __init__(self, patches=()) -> None:
+    def __init__(self, patches: Sequence[Declared] = ()) -> None:
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._active = False
@@ -82,15 +93,15 @@ class Registry:
 
     # -- declaring ------------------------------------------------------------------------------
 
-    def register(self, patch: Patch) -> Patch:
+    def register(self, patch: Declared) -> Declared:
         """Add ``patch``; if the registry is active it is applied now or on its targets' import."""
         with self._lock:
             existing = self._entries.get(patch.name)
             if existing is not None:
-                if existing.patch is patch or existing.patch == patch:
+                if existing.declared is patch or self._load(existing) == patch:
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
-            self._entries[patch.name] = _Entry(patch)
+            self._entries[patch.name] = _Entry(patch, active=self._active)
             active = self._active
         if active:
             self._try_apply(patch.name)
@@ -101,7 +112,10 @@ class Registry:
         return tuple(self._entries)
 
     def patch(self, name: str) -> Patch:
-        return self._entry(name).patch
+        """The declaration of patch ``name`` (this imports its module if it was not yet)."""
+        entry = self._entry(name)
+        with self._lock:
+            return self._load(entry)
 
     # -- switching --------------------------------------------------------------------------------
 
@@ -109,6 +123,8 @@ class Registry:
         """Apply every enabled patch now, or right after its target modules are imported."""
         with self._lock:
             self._active = True
+            for entry in self._entries.values():
+                entry.active = True
             names = tuple(self._entries)
         for name in names:
             self._try_apply(name)
@@ -118,6 +134,7 @@ class Registry:
         with self._lock:
             self._active = False
             for entry in self._entries.values():
+                entry.active = False
                 self._remove(entry)
                 entry.done_modules.clear()
                 entry.notes.clear()
@@ -125,13 +142,20 @@ class Registry:
                 self._set(entry, DISABLED, "shim.deactivate() was called")
 
     def enable(self, *names: str) -> None:
-        """Switch patches back on (all when no names are given), applying them if needed."""
+        """Switch patches on (all when no names are given) and apply them if needed.
+
+        Explicit: it wins over ``SHIM_DISABLE`` and lasts until :meth:`disable`, across
+        :meth:`deactivate`/:meth:`activate`. After :meth:`deactivate` it applies the named
+        patches again (and only those).
+        """
         for name in self._resolve(names):
             with self._lock:
                 entry = self._entries[name]
                 entry.switch.disabled = False
                 entry.switch.update()
-            self._try_apply(name, explicit=True)
+                entry.explicit = True
+                entry.active = True
+            self._try_apply(name)
 
     def disable(self, *names: str) -> None:
         """Switch patches off at once (all when no names are given); their layers stay, inert."""
@@ -140,6 +164,7 @@ class Registry:
                 entry = self._entries[name]
                 entry.switch.disabled = True
                 entry.switch.update()
+                entry.explicit = False
                 if entry.state in (APPLIED, PENDING):
                     self._set(entry, DISABLED, "switched off with shim.disable()")
 
@@ -167,33 +192,55 @@ class Registry:
     # -- reporting ------------------------------------------------------------------------------
 
     def status(self) -> list[PatchStatus]:
+        """One record per patch: its state and why, its versions, and what it changed so far."""
         with self._lock:
             return [self._status(entry) for entry in self._entries.values()]
 
+    def report(self) -> str:
+        """The effects table: which patches changed something in this process, how often, the last what."""
+        from .records import report
+
+        return report(self.status())
+
     def _status(self, entry: _Entry) -> PatchStatus:
-        patch = entry.patch
+        from . import versions
+        from .records import PatchStatus
+
+        declared = entry.declared
         installed, state, reason = entry.installed, entry.state, entry.reason
         if state == PENDING and installed is None:
             # The gate needs no import, but deciding it costs a metadata read, so it is done here
             # rather than at activation: a patch outside its gate reads as skipped even when its
             # target module does not exist in that release (transformers 4.57 has no
             # core_model_loading). Its hooks stay, so SHIM_FORCE set later still applies it.
-            decision = versions.decide(patch.distribution, patch.specifier)
+            decision = versions.decide(declared.distribution, versions.specifier_set(declared.requires))
             installed = decision.installed
-            forced = patch.name in settings.read(self._entries).forced
-            if decision.gated_as is not None and not decision.admitted and not forced:
+            forced = declared.name in settings.read(self._entries).forced
+            if installed is None:
+                state, reason = SKIPPED, decision.reason
+            elif decision.gated_as is not None and not decision.admitted and not forced:
                 state, reason = SKIPPED, decision.reason
             else:
                 reason = f"{reason}; {decision.reason}"
+        elif installed is None:
+            installed = versions.installed_version(declared.distribution)
+        if entry.switch.suspended and state in (APPLIED, PENDING):
+            state, reason = DISABLED, SUSPENDED_REASON
+        try:
+            patch: Optional[Patch] = self._load(entry)
+        except Exception as exc:  # reported, never raised: a status must always come back
+            patch, reason = None, f"{reason}; the patch module cannot be imported: {exc!r}"
         return PatchStatus(
-            name=patch.name,
+            name=declared.name,
             state=state,
             reason=reason,
-            targets=tuple(t.spec for t in patch.targets),
-            requires=patch.requirement,
+            targets=tuple(t.spec for t in patch.targets) if patch else (),
+            requires=f"{declared.distribution}{declared.requires}",
             installed=installed,
-            summary=patch.summary,
-            references=patch.references,
+            summary=patch.summary if patch else "",
+            references=patch.references if patch else (),
+            effects=effects.count(declared.name),
+            last_effect=effects.last(declared.name),
         )
 
     # -- applying -------------------------------------------------------------------------------
@@ -204,20 +251,26 @@ class Registry:
         except KeyError:
             raise KeyError(f"no patch named {name!r}; known: {', '.join(self._entries)}") from None
 
-    def _resolve(self, names) -> tuple[str, ...]:
+    def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
         if not names:
             return tuple(self._entries)
         for name in names:
             self._entry(name)
         return tuple(names)
 
+    @staticmethod
+    def _load(entry: _Entry) -> Patch:
+        if entry.patch is None:
+            entry.patch = entry.declared.load()
+        return entry.patch
+
     def _set(self, entry: _Entry, state: str, reason: str) -> None:
         if (entry.state, entry.reason) != (state, reason):
             level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
-            log.log(level, "%s: %s (%s)", entry.patch.name, state, reason)
+            log.log(level, "%s: %s (%s)", entry.declared.name, state, reason)
         entry.state, entry.reason = state, reason
 
-    def _on_import(self, name: str, module) -> None:
+    def _on_import(self, name: str, module: object) -> None:
         """Post-import hook: must never let an exception escape into the user's import (unless strict)."""
         try:
             self._try_apply(name, finished=getattr(module, "__name__", None))
@@ -226,18 +279,18 @@ class Registry:
         except Exception:  # pragma: no cover - defensive: _try_apply already records failures
             log.exception("%s: unexpected error in the post-import hook; the patch is not applied", name)
 
-    def _try_apply(self, name: str, explicit: bool = False, finished: Optional[str] = None) -> None:
-        waiting = ()
+    def _try_apply(self, name: str, finished: Optional[str] = None) -> None:
+        waiting: tuple[str, ...] = ()
         with self._lock:
             entry = self._entries[name]
-            if not self._active or entry.settled or entry.switch.disabled:
+            if not entry.active or entry.settled or entry.switch.disabled:
                 return
             config = settings.read(self._entries)
-            if (config.disable_all or name in config.disabled) and not explicit and not entry.layers:
+            if (config.disable_all or name in config.disabled) and not entry.explicit and not entry.layers:
                 variable = "SHIM_DISABLE=all" if config.disable_all else f"SHIM_DISABLE={name}"
                 self._set(entry, DISABLED, f"opted out with {variable}")
                 return
-            todo = [m for m in entry.patch.modules if m not in entry.done_modules]
+            todo = [m for m in entry.declared.modules if m not in entry.done_modules]
             ready = [m for m in todo if m == finished or _imported(m)]
             waiting = tuple(m for m in todo if m not in ready)
             problem = self._apply_modules(entry, ready, forced=name in config.forced) if ready else None
@@ -269,8 +322,13 @@ class Registry:
         return reason
 
     def _apply_modules(self, entry: _Entry, module_names: list[str], forced: bool) -> Optional[str]:
-        """Gate, probe and wrap the targets in ``module_names``; returns a problem for strict mode."""
-        patch = entry.patch
+        """Load, gate, probe and wrap the targets in ``module_names``; returns a problem for strict mode."""
+        from . import versions
+
+        try:
+            patch = self._load(entry)
+        except Exception as exc:
+            return self._give_up(entry, FAILED, f"the patch module cannot be imported: {exc!r}")
         if entry.gate is None:
             entry.gate = versions.decide(patch.distribution, patch.specifier)
             entry.installed = entry.gate.installed
@@ -348,4 +406,4 @@ class Registry:
         entry.switch.removed = True
         entry.switch.update()
         if stuck:
-            log.warning("%s: left in place switched off: %s", entry.patch.name, "; ".join(stuck))
+            log.warning("%s: left in place switched off: %s", entry.declared.name, "; ".join(stuck))

@@ -1,7 +1,8 @@
 """Environment variables, parsed with a warning (and the default) for every bad value.
 
 They are read each time a patch is applied, so a variable set before the target library is
-imported still takes effect.
+imported still takes effect. Patch names are matched without regard to case, ``_`` or ``-``
+(``LOAD_KEEPS_REQUIRES_GRAD`` and ``load_keeps_requires_grad`` name ``load-keeps-requires-grad``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
-from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from .errors import ShimWarning
 
@@ -21,59 +22,95 @@ TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+# Frames a warning must not be attributed to: the shim's own, wrapt's import hooks (a patch is
+# applied from inside the user's ``import transformers``) and importlib's.
+_OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
+_NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep)
 
 _warned: set[str] = set()
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside the shim, wrapt and
+    importlib: the user's ``import shim``, ``import transformers`` or ``shim.enable(...)`` line.
+
+    Counted the way :func:`warnings.warn` walks the stack (it skips importlib's internal frames
+    by itself), starting from the caller of this function's caller.
+    """
+    frame = sys._getframe(2)
+    level = 1
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        internal = "importlib" in filename and "_bootstrap" in filename
+        if not internal:
+            if not any(part in filename for part in _NOT_THE_CALLER):
+                return level
+            level += 1
+        frame = frame.f_back
+    return level
+
+
 def warn_once(message: str) -> None:
-    """Warn about a configuration problem once per process."""
+    """Warn about a configuration problem once per process, pointing at the user's code."""
     if message in _warned:
         return
     _warned.add(message)
     logging.getLogger("shim").warning(message)
-    warnings.warn(message, ShimWarning, stacklevel=3)
+    warnings.warn(message, ShimWarning, stacklevel=_user_stacklevel())
 
 
-@dataclass(frozen=True)
-class Settings:
+def canonical(name: str) -> str:
+    """``name`` as the patch names are written: lower case, words joined by ``-``."""
+    return name.strip().lower().replace("_", "-")
+
+
+class Settings(NamedTuple):
     disable_all: bool
     disabled: frozenset[str]
     forced: frozenset[str]
     strict: bool
 
 
+def _closest(name: str, known: list[str]) -> str:
+    import difflib  # only for the warning: it would cost every ``import shim`` half a millisecond
+
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+    return f"did you mean {', '.join(close)}?" if close else f"known patches: {', '.join(known)}"
+
+
 def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[bool, frozenset[str]]:
+    """The known patch names listed in ``variable``; every other entry gets its own warning."""
     raw = os.environ.get(variable, "").strip()
     if raw.lower() in NONE:
         return False, frozenset()
     if allow_all and raw.lower() in ALL:
         return True, frozenset()
     known = sorted(known)
-    names = [part.strip().lower() for part in raw.split(",") if part.strip()]
-    bad = [name for name in names if not _NAME.match(name)]
-    if bad:
-        valid = "'all', " if allow_all else ""
-        warn_once(
-            f"{variable}={raw!r} is not valid ({', '.join(map(repr, bad))}); expected {valid}"
-            f"a comma-separated list of patch names ({', '.join(known)}); ignoring it"
-        )
-        return False, frozenset()
-    for name in names:
-        if name not in known:
-            import difflib  # only for the warning: it would cost every ``import shim`` half a millisecond
+    found = set()
+    for part in raw.split(","):
+        if not part.strip():
+            continue
+        name = canonical(part)
+        if name in known:
+            found.add(name)
+        elif _NAME.match(name):
+            warn_once(f"{variable} names an unknown patch {part.strip()!r}, ignored; {_closest(name, known)}")
+        else:
+            valid = "'all' or " if allow_all else ""
+            warn_once(
+                f"{variable}: {part.strip()!r} is not a patch name, ignored; {variable} takes {valid}"
+                f"a comma-separated list of patch names ({', '.join(known)})"
+            )
+    return False, frozenset(found)
 
-            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
-            hint = f"did you mean {', '.join(close)}?" if close else f"known patches: {', '.join(known)}"
-            warn_once(f"{variable} names an unknown patch {name!r}; {hint}")
-    return False, frozenset(names)
 
-
-def _flag(variable: str) -> bool:
+def flag(variable: str) -> bool:
+    """A boolean variable; a value that is neither true nor false warns and reads as off."""
     raw = os.environ.get(variable, "").strip().lower()
     if raw in TRUE:
         return True
     if raw not in FALSE:
-        warn_once(f"{variable}={raw!r} is not valid; use one of {sorted(TRUE | FALSE - {''})}; using off")
+        warn_once(f"{variable}={raw!r} is not valid; use one of {', '.join(sorted(TRUE | FALSE - {''}))}; using off")
     return False
 
 
@@ -82,11 +119,15 @@ def read(known: Iterable[str]) -> Settings:
     known = tuple(known)
     disable_all, disabled = _names("SHIM_DISABLE", known, allow_all=True)
     _, forced = _names("SHIM_FORCE", known, allow_all=False)
-    return Settings(disable_all, disabled, forced, _flag("SHIM_STRICT"))
+    return Settings(disable_all, disabled, forced, flag("SHIM_STRICT"))
 
 
 def configure_logging() -> None:
-    """Apply ``SHIM_LOG_LEVEL`` to the ``shim`` logger, with a stderr handler if it has none."""
+    """Apply ``SHIM_LOG_LEVEL`` to the ``shim`` logger and show its records on stderr.
+
+    The stderr handler is added unless the application already gave the ``shim`` logger a
+    handler of its own (the library's ``NullHandler`` does not count).
+    """
     logger = logging.getLogger("shim")
     raw = os.environ.get("SHIM_LOG_LEVEL", "").strip()
     if not raw:
@@ -95,7 +136,7 @@ def configure_logging() -> None:
         warn_once(f"SHIM_LOG_LEVEL={raw!r} is not valid; use one of {', '.join(LOG_LEVELS)}; leaving it unset")
         return
     logger.setLevel(raw.upper())
-    if not logger.handlers:
+    if all(isinstance(handler, logging.NullHandler) for handler in logger.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
         logger.addHandler(handler)

@@ -8,29 +8,46 @@ against releases. The status record shows both the installed and the gated versi
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import importlib.util
 import sys
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 
 def installed_version(distribution: str) -> Optional[str]:
-    """The version of ``distribution``: its imported module's ``__version__``, else its metadata."""
-    module = sys.modules.get(distribution.replace("-", "_"))
+    """The version of ``distribution``: its imported module's ``__version__``, else its metadata.
+
+    A distribution whose module cannot be found counts as not installed, metadata or not (a
+    broken uninstall, or ``sys.modules[name] = None``, Python's way to make a module unimportable).
+    """
+    name = distribution.replace("-", "_")
+    module = sys.modules.get(name)
     version = getattr(module, "__version__", None)
     if isinstance(version, str):
         return version
+    if module is None:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return None
+        except (ImportError, ValueError):
+            return None
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-@dataclass(frozen=True)
-class GateDecision:
+@functools.lru_cache(maxsize=None)
+def specifier_set(text: str) -> SpecifierSet:
+    """``text`` parsed as a PEP 440 specifier set, once per text."""
+    return SpecifierSet(text)
+
+
+class GateDecision(NamedTuple):
     admitted: bool
     installed: Optional[str]
     gated_as: Optional[str]

@@ -7,7 +7,7 @@ import warnings
 import transformers
 from packaging.version import Version
 
-from patches._checkpointing import is_checkpointing
+from shim.patches._checkpointing import is_checkpointing
 from shim.selfcheck import quiet_transformers, tiny_llama_config
 
 quiet_transformers()

@@ -15,7 +15,8 @@ _counter = itertools.count()
 
 @pytest.fixture
 def fake_modules(tmp_path, monkeypatch):
-    """Write throwaway modules to a temp dir; names are unique per test because wrapt's
+    """Write throwaway modules to a temp dir, as an installed distribution 1.2.0 of the same name
+    (a dist-info folder beside the package); names are unique per test because wrapt's
     post-import hooks are process-wide and never forgotten."""
 
     def make(**sources: str) -> str:
@@ -23,6 +24,9 @@ def fake_modules(tmp_path, monkeypatch):
         package = tmp_path / prefix
         package.mkdir()
         (package / "__init__.py").write_text('__version__ = "1.2.0"\n')
+        metadata = tmp_path / f"{prefix}-1.2.0.dist-info"
+        metadata.mkdir()
+        (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {prefix}\nVersion: 1.2.0\n")
         for name, source in sources.items():
             (package / f"{name}.py").write_text(textwrap.dedent(source))
         return prefix

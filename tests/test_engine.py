@@ -328,7 +328,7 @@ def test_unknown_patch_name_warns_once_with_the_closest_names(fake_modules, monk
     pkg = fake_modules(target=TARGET)
     monkeypatch.setenv("SHIM_DISABLE", "dmeo")
     registry = Registry([make_patch(pkg)])
-    with pytest.warns(ShimWarning, match="unknown patch 'dmeo'; did you mean demo"):
+    with pytest.warns(ShimWarning, match="unknown patch 'dmeo', ignored; did you mean demo"):
         registry.activate()
     importlib.import_module(f"{pkg}.target")  # read again on apply: no second warning
     assert len(settings._warned) == 1
@@ -337,7 +337,7 @@ def test_unknown_patch_name_warns_once_with_the_closest_names(fake_modules, monk
 @pytest.mark.parametrize(
     "variable, value, expected",
     [
-        ("SHIM_DISABLE", "demo;rm -rf", "expected 'all', a comma-separated list of patch names"),
+        ("SHIM_DISABLE", "demo;rm -rf", "'demo;rm -rf' is not a patch name, ignored; SHIM_DISABLE takes 'all' or a comma"),
         ("SHIM_STRICT", "maybe", "use one of"),
         ("SHIM_LOG_LEVEL", "LOUD", "use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     ],

@@ -18,7 +18,7 @@ B1_STATE = "applied" if B1_EXISTS else "skipped"
 ROUND_TRIP = """
 import json, tempfile
 import shim
-from patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
+from shim.patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
 from shim.selfcheck import quiet_transformers, tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
@@ -78,22 +78,6 @@ def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
     print(layers())
     """
     assert run_python(code).stdout.split() == ["1", "0"]
-
-
-def test_local_patches_module_shadowing_ours_is_reported(tmp_path):
-    (tmp_path / "patches.py").write_text("x = 1\n")
-    code = f"""
-    import sys, warnings
-    sys.path.insert(0, {str(tmp_path)!r})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import shim
-    print([str(w.message) for w in caught])
-    print(shim.status())
-    """
-    out = run_python(code).stdout
-    assert "shadows hf-train-shim's own 'patches' package" in out and "patches.py" in out
-    assert out.strip().endswith("[]")
 
 
 def test_status_cli_json_and_table():

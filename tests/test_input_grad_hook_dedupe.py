@@ -3,7 +3,7 @@
 import pytest
 
 import shim
-from patches.input_grad_hook_dedupe import input_hook_count
+from shim.patches.input_grad_hook_dedupe import input_hook_count
 from tests.checkpointing_cases import DISABLE, ENABLE, TRANSFORMERS, tiny_llama
 
 pytestmark = pytest.mark.skipif(

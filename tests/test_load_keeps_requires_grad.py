@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from packaging.version import Version
 
 import shim
-from patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
+from shim.patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
 from shim.selfcheck import quiet_transformers, tiny_llama_config
 
 NAME = "load-keeps-requires-grad"

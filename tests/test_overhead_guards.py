@@ -6,7 +6,7 @@ Nothing here is timed; the benchmark measures, these tests keep the faster code 
 import pytest
 import torch
 
-from patches.load_keeps_requires_grad import _submodule
+from shim.patches.load_keeps_requires_grad import _submodule
 from shim import Target
 from tests.conftest import run_python
 

@@ -16,9 +16,9 @@ from hypothesis import assume, example, given, settings, strategies as st
 from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
-import patches.reentrant_keyword_grads as module
+import shim.patches.reentrant_keyword_grads as module
 import shim
-from patches.reentrant_keyword_grads import enable_checkpointing, is_reentrant, keyword_driven_grads, wrong_grads
+from shim.patches.reentrant_keyword_grads import enable_checkpointing, is_reentrant, keyword_driven_grads, wrong_grads
 from shim.selfcheck import quiet_transformers, tiny_llama_config
 from tests.conftest import run_python
 

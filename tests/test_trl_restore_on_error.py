@@ -62,7 +62,7 @@ def test_zero3_hooks_removed_for_generation_are_added_back_after_an_error(monkey
     """trl's add_hooks is called for an engine whose forward hooks remove_hooks emptied."""
     import trl.models.utils as trl_utils
 
-    from patches.trl_restore_on_error import _RestoreOnError
+    from shim.patches.trl_restore_on_error import _RestoreOnError
 
     added = []
     monkeypatch.setattr(trl_utils, "add_hooks", lambda engine: added.append(engine))

@@ -1,0 +1,73 @@
+"""What the shim tells its users: the status record of a patch, and the tables made of them.
+
+Imported only when a status is asked for (``shim.status()``, ``python -m shim``, the exit
+report), never by ``import shim`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """What the registry did with one patch, and what the patch did since (``shim.status()``).
+
+    ``effects`` counts the times the patch changed something in this process (calls it passed
+    through do not count); ``last_effect`` describes the last one (``""`` while there is none).
+    """
+
+    name: str
+    state: str
+    reason: str
+    targets: tuple[str, ...]
+    requires: str
+    installed: Optional[str]
+    summary: str = ""
+    references: tuple[str, ...] = ()
+    effects: int = 0
+    last_effect: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:
+    """A plain text table; columns listed in ``right`` are right-aligned (numbers)."""
+    cells = [[str(cell) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        return "  ".join(parts).rstrip()
+
+    lines = [line(row) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def rank() -> Optional[str]:
+    """The process's rank under torchrun, accelerate or deepspeed (``RANK``), if any."""
+    return os.environ.get("RANK") or None
+
+
+def report(records: Sequence[PatchStatus]) -> str:
+    """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns."""
+    changed = [r for r in records if r.effects]
+    quiet = [r.name for r in records if r.state == APPLIED and not r.effects]
+    idle = [f"{r.name} ({r.state})" for r in records if r.state != APPLIED and not r.effects]
+    where = f"pid {os.getpid()}" + (f", rank {rank()}" if rank() else "")
+    lines = [f"hf-train-shim report ({where}): {len(changed)} of {len(records)} patches changed something"]
+    if changed:
+        rows = [[r.name, r.effects, r.last_effect] for r in changed]
+        lines += ["  " + line for line in table(rows, ["patch", "effects", "last effect"], right=(1,)).splitlines()]
+    if quiet:
+        lines.append(f"  applied, nothing to change: {', '.join(quiet)}")
+    if idle:
+        lines.append(f"  not applied: {', '.join(idle)}")
+    prefix = f"[rank {rank()}] " if rank() else ""
+    return "\n".join(prefix + line for line in lines)

@@ -1,0 +1,136 @@
+"""The catalogue as it ships: installed as ``shim.patches``, indexed, imported only when needed."""
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import shim
+from shim import patches as catalogue
+from tests.conftest import ROOT, run_python
+
+
+def test_the_index_says_what_each_patch_module_declares():
+    modules = sorted(path.stem for path in (ROOT / "patches").glob("*.py") if not path.stem.startswith("_"))
+    assert sorted(row[1] for row in catalogue.INDEX) == modules, "every patch module is listed, once"
+    for name, module_name, distribution, requires, target_modules in catalogue.INDEX:
+        patch = importlib.import_module(f"shim.patches.{module_name}").PATCH
+        declared = (patch.name, patch.distribution, patch.requires, patch.modules)
+        assert declared == (name, distribution, requires, target_modules), module_name
+    assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row[0] for row in catalogue.INDEX)
+
+
+def test_import_shim_after_transformers_imports_no_patch_module_and_no_packaging_specifiers():
+    code = """
+    import json, sys
+    import transformers
+    import shim
+    print(json.dumps({
+        "patch_modules": sorted(m for m in sys.modules if m.startswith("shim.patches.")),
+        "packaging.specifiers": "packaging.specifiers" in sys.modules,
+        "states": sorted({s.state for s in shim.status()}),
+    }))
+    """
+    out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    assert out["patch_modules"] == [] and out["packaging.specifiers"] is False
+    # shim.status() then reads the modules for their summaries: it imports them, applies nothing.
+    assert "applied" not in out["states"]
+
+
+USER_SCRIPT = """
+import json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import patches  # the project's own module, beside this script
+    import shim
+    import transformers.modeling_utils, transformers.modeling_layers, transformers.core_model_loading
+    import trl.models.utils
+print(json.dumps({
+    "user_patches": patches.__file__,
+    "catalogue": shim.patches.__name__,
+    "states": {s.name: s.state for s in shim.status()},
+    "warnings": [str(w.message) for w in caught if "shim" in str(w.filename) or issubclass(w.category, shim.ShimWarning)],
+}))
+"""
+
+
+@pytest.mark.parametrize("layout", ["package", "module"])
+def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, layout):
+    if layout == "package":
+        (tmp_path / "patches").mkdir()
+        (tmp_path / "patches" / "__init__.py").write_text("MINE = True\n")
+    else:
+        (tmp_path / "patches.py").write_text("MINE = True\n")
+    (tmp_path / "train.py").write_text(USER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(out["user_patches"]).resolve().parent in (tmp_path.resolve(), (tmp_path / "patches").resolve())
+    assert out["catalogue"] == "shim.patches"
+    assert out["warnings"] == []
+    expected = {row[0]: "applied" for row in catalogue.INDEX}
+    for name in ("load-keeps-requires-grad", "input-grad-hook-dedupe"):  # gated to transformers 5.x
+        if not shim.registry.patch(name).specifier.contains(_installed("transformers")):
+            expected[name] = "skipped"
+    assert out["states"] == expected
+
+
+def _installed(distribution):
+    from importlib.metadata import version
+
+    return version(distribution)
+
+
+def test_the_wheel_installs_only_the_shim_package(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("shim", "patches"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("hf_train_shim-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        top_level = next(n for n in names if n.endswith("top_level.txt"))
+        assert archive.read(top_level).decode().split() == ["shim"]
+    packages = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert packages == {"shim"}
+    for row in catalogue.INDEX:
+        assert f"shim/patches/{row[1]}.py" in names
+    assert "shim/py.typed" in names
+
+
+def test_without_the_catalogue_the_shim_warns_and_still_imports(tmp_path):
+    # A clone put on sys.path without installing it: shim/ is found, shim.patches is not.
+    shutil.copytree(ROOT / "shim", tmp_path / "shim", ignore=shutil.ignore_patterns("__pycache__"))
+    code = textwrap.dedent(
+        f"""
+        import sys, warnings
+        sys.path.insert(0, {str(tmp_path)!r})
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", ""))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import shim
+        print(shim.__file__.startswith({str(tmp_path)!r}), shim.status(), [str(w.message) for w in caught])
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("True [] ")
+    assert "catalogue shim.patches cannot be imported" in result.stdout and "pip install -e ." in result.stdout
