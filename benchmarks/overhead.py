@@ -238,7 +238,7 @@ def training_model(config: dict, reentrant: bool, seed: int = 0):
     import torch
     import transformers
 
-    from patches._checkpointing import enable
+    from shim.patches._checkpointing import enable
     from shim.selfcheck import tiny_llama_config
 
     torch.manual_seed(seed)
@@ -311,7 +311,7 @@ def measure_imports(args, log) -> dict:
     # Bytecode caches warm, as after any first run (this environment may set PYTHONDONTWRITEBYTECODE).
     import compileall
 
-    for package in ("shim", "patches"):
+    for package in ("shim", "patches"):  # the repository folders (patches/ is installed as shim.patches)
         compileall.compile_dir(str(ROOT / package), quiet=1)
     time_import("import shim, transformers")
 

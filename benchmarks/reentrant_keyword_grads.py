@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
 
-from patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
+from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 from shim.selfcheck import quiet_transformers, tiny_llama_config  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
