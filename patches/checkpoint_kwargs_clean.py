@@ -1,6 +1,6 @@
 """``checkpoint-kwargs-clean``: only checkpoint options reach ``torch.utils.checkpoint``.
 
-Upstream bug (B6): ``every_n_layers`` and ``offload`` are parameters of the enable method
+Upstream bug (transformers 4.57 – 5.24 at least; docs/bugs.md#checkpoint-kwargs-clean): ``every_n_layers`` and ``offload`` are parameters of the enable method
 (transformers 5.16+ / 5.17+), but users and the Trainer keep them in
 ``gradient_checkpointing_kwargs``. The Trainer pops them from a *copy*, so the training arguments
 still hold them, and trl passes that dict back on every re-enable: they land in the checkpoint
@@ -109,6 +109,6 @@ PATCH = Patch(
             requires="transformers>=5.23",
         ),
     ),
-    references=("../shared/upstream-bugs.md#B6",),
+    references=("docs/bugs.md#checkpoint-kwargs-clean", "huggingface/transformers#48200"),
     self_check=_self_check,
 )

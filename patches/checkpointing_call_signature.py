@@ -1,8 +1,8 @@
 """``checkpointing-call-signature``: re-enable calls fit the signature of the method they call.
 
-Upstream bugs:
+Upstream bugs (docs/bugs.md#checkpointing-call-signature):
 
-- B4 (trl 0.26 – 1.16 at least): ``trl.models.utils.disable_gradient_checkpointing`` re-enables with
+- trl's positional re-enable (trl 0.26 – 1.16 at least): ``trl.models.utils.disable_gradient_checkpointing`` re-enables with
   ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)``, a positional dict, which
   raises ``TypeError`` for keyword-only wrappers ``(*, gradient_checkpointing_kwargs=None)`` and for
   ``(**kwargs)`` wrappers such as trl's own PPO ``PolicyAndValueWrapper`` (trl 1.0 – 1.12). The fix
@@ -10,11 +10,11 @@ Upstream bugs:
   signature accepts (keyword, positional, or no argument when there is nothing to pass) — on every
   shape ``(kw=None)``, ``(*, kw=None)``, ``(**kwargs)``, ``(kw=None, **kwargs)``, ``()``. trl trainer
   modules (dpo, grpo, rloo, kto, ...) bind the name at import, so they are rebound.
-- B5 (transformers 5.16 – 5.24 at least): the Trainer (and, from 5.23,
-  ``activation_checkpointing_enable``) always passes ``every_n_layers=`` and ``offload=`` to an
-  overridden ``gradient_checkpointing_enable``, and an override written as
-  ``(self, gradient_checkpointing_kwargs=None)`` or keyword-only raises ``TypeError: unexpected
-  keyword argument 'every_n_layers'``. The fix leaves out the keywords the override cannot take
+- new keywords sent to old overrides (transformers 5.16 – 5.24 at least): the Trainer (and, from 5.23,
+  ``activation_checkpointing_enable``) always passes ``every_n_layers=`` (and from 5.17 ``offload=``)
+  to an overridden ``gradient_checkpointing_enable``, and an override written as
+  ``(self, gradient_checkpointing_kwargs=None)`` or keyword-only raises ``TypeError: ... got an
+  unexpected keyword argument 'every_n_layers'``. The fix leaves out the keywords the override cannot take
   while they hold their defaults; a non-default value it cannot take raises a ``TypeError`` naming
   the override and the fix (accept ``**kwargs``) — never a silent drop. From 5.23 the wrapper sits on
   ``PreTrainedModel.activation_checkpointing_enable``; on 5.16 – 5.22, where the Trainer calls the
@@ -211,7 +211,7 @@ PATCH = Patch(
         ),
         Target("transformers.trainer:Trainer.train", _trainer_train, requires="transformers>=5.16,<5.23"),
     ),
-    references=("../shared/upstream-bugs.md#B4", "../shared/upstream-bugs.md#B5"),
+    references=("docs/bugs.md#checkpointing-call-signature", "unslothai/unsloth#6826", "huggingface/trl#5245"),
     consumers=("trl.*",),
     self_check=_self_check,
 )

@@ -1,13 +1,14 @@
 """``checkpointing-restore``: re-enabling checkpointing brings back the configuration it had.
 
-Upstream bug (B2, every transformers from 4.57 to 5.24 at least): the checkpointing configuration
+Upstream bug (every transformers from 4.57 to 5.24 at least; docs/bugs.md#checkpointing-restore): the checkpointing configuration
 lives nowhere but in the layers (a shared ``partial(checkpoint, **kwargs)``, per-layer flags for
 ``every_n_layers``, the offload closure). ``gradient_checkpointing_disable()`` overwrites all of it,
 and whoever re-enables without arguments — trl's ``unwrap_model_for_generation`` around every
 generation step (trl 0.22 – 1.15, and several 1.16 trainers), PEFT helpers, user code — gets the
 defaults: ``use_reentrant`` flips (``True`` → ``False`` on 5.x, ``False`` → ``True`` on 4.57),
-``every_n_layers`` and offload vanish. Under DeepSpeed ZeRO-3 the flip ends the run with
-``CheckpointError: Recomputed values have different metadata``.
+``every_n_layers`` and offload vanish. Under DeepSpeed ZeRO-3 (<= 0.19.2) with frozen parameters, the
+flip to non-reentrant ends the run with ``CheckpointError: Recomputed values for the following
+tensors have different metadata than during the forward pass``.
 
 The fix captures every module's state (flag and checkpoint function) in
 ``_set_gradient_checkpointing(enable=False)``, the one place every disable path reaches, and puts
@@ -129,6 +130,6 @@ PATCH = Patch(
             requires="transformers>=5.23",
         ),
     ),
-    references=("../shared/upstream-bugs.md#B2", "trl#6827"),
+    references=("docs/bugs.md#checkpointing-restore", "huggingface/trl#6827", "huggingface/transformers#47254"),
     self_check=_self_check,
 )

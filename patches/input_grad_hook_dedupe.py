@@ -1,6 +1,6 @@
 """``input-grad-hook-dedupe``: one input-require-grads hook, however many enable cycles.
 
-Upstream bug (B8, transformers 5.0 – 5.24 at least): enabling checkpointing calls
+Upstream bug (transformers 5.0 – 5.24 at least; docs/bugs.md#input-grad-hook-dedupe): enabling checkpointing calls
 ``enable_input_require_grads()`` (when ``main_input_name == "input_ids"``), which registers a new
 forward hook on the input embeddings and overwrites ``_require_grads_hooks`` without removing the
 hooks it held; disabling removes them only for PEFT models. trl cycles checkpointing around every
@@ -70,6 +70,6 @@ PATCH = Patch(
     distribution="transformers",
     requires=">=5.0",
     targets=(Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),),
-    references=("../shared/upstream-bugs.md#B8",),
+    references=("docs/bugs.md#input-grad-hook-dedupe",),
     self_check=_self_check,
 )

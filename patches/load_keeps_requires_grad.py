@@ -1,6 +1,6 @@
 """``load-keeps-requires-grad``: frozen parameters stay frozen when a checkpoint is loaded.
 
-Upstream bug (transformers 5.0.0 – 5.24.0 at least, B1): while loading, transformers replaces each
+Upstream bug (transformers 5.0.0 – 5.24.0 at least; docs/bugs.md#load-keeps-requires-grad): while loading, transformers replaces each
 parameter with ``nn.Parameter(value, requires_grad=value.is_floating_point())`` in
 ``core_model_loading.set_param_for_module`` (and, for parameters missing from the checkpoint, in
 ``modeling_utils._load_parameter_into_model``), ignoring the flag of the parameter it replaces. A
@@ -155,6 +155,6 @@ PATCH = Patch(
             probe=lambda original: leading_parameters(original, ("model", "param_name", "tensor")),
         ),
     ),
-    references=("../shared/upstream-bugs.md#B1",),
+    references=("docs/bugs.md#load-keeps-requires-grad", "vllm-project/speculators#593"),
     self_check=_self_check,
 )

@@ -1,13 +1,14 @@
 """``reentrant-keyword-grads``: reentrant checkpointing keeps the gradients of keyword tensor inputs.
 
-Upstream bug (transformers 4.57.6 – 5.24.0 at least, B7): a checkpointing
+Upstream bug (transformers 4.57.6 – 5.24.0 at least; docs/bugs.md#reentrant-keyword-grads): a checkpointing
 ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(fn, **kwargs), *args)``
 (``fn`` is ``super().__call__`` up to 5.22, the class's own ``forward`` from 5.23, where checkpointing
 wraps ``forward``). Only the positional ``args`` reach ``torch.utils.checkpoint.checkpoint``; keyword
 arguments ride inside the ``partial``. Reentrant checkpointing (``use_reentrant=True``) tracks only
 its positional tensor inputs, so a layer called as ``layer(hidden_states=h, ...)`` builds an output
-that does not depend on ``h`` for autograd: everything before the layer gets no gradient, and
-nothing raises.
+that does not depend on ``h`` for autograd: everything before the layer gets no gradient, nor,
+when no positional argument requires grad, the layer's own parameters. Nothing raises; the only
+trace is torch's ``UserWarning: None of the inputs have requires_grad=True``.
 
 The fix wraps ``GradientCheckpointingLayer.__call__`` (its own method up to 5.22; from 5.23 the
 shim's layer shadows the inherited ``nn.Module.__call__``, which only adds a pass-through frame).
@@ -39,7 +40,7 @@ Limits: the swap writes the instance attribute, so two threads running the *same
 at once may see each other's swap (it is undone by identity, and each thread's own call keeps
 its function). Tensors hidden in other containers (dataclasses, ``ModelOutput``) are not lifted.
 Positional arguments are passed as upstream passes them: a tensor nested in a *positional* tuple
-is torch's documented reentrant limit (only top-level positional tensors are inputs), not B7.
+is torch's documented reentrant limit (only top-level positional tensors are inputs), not this bug.
 A layer's ``forward`` called directly (not through the module call) is not covered.
 """
 
@@ -344,6 +345,6 @@ PATCH = Patch(
             probe=lambda original: _probe(),
         ),
     ),
-    references=("../shared/upstream-bugs.md#B7",),
+    references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     self_check=_self_check,
 )

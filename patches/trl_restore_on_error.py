@@ -1,6 +1,6 @@
 """``trl-restore-on-error``: an exception during trl's generation leaves checkpointing on.
 
-Upstream bug (B3, trl 0.22 – 1.16 at least): ``unwrap_model_for_generation`` switches gradient
+Upstream bug (trl 0.22 – 1.16 at least; docs/bugs.md#trl-restore-on-error): ``unwrap_model_for_generation`` switches gradient
 checkpointing off, yields the model for generation, and switches it back on after the ``yield``
 with no ``try/finally``. An exception in the body (a bad sample, an interrupted generation that
 the trainer catches) leaves checkpointing off for the rest of training; under ZeRO-3 the parameter
@@ -8,8 +8,8 @@ hooks it removed before generating stay removed too.
 
 The fix wraps the generator context manager (``_unwrap_model_for_generation`` from trl 0.29,
 ``unwrap_model_for_generation`` before it) in a context that, only when the body raised, re-enables
-checkpointing with the kwargs the caller gave (the ``checkpointing-restore`` patch brings back the
-rest) and re-adds trl's ZeRO-3 hooks if they are still removed. The normal path is trl's own code,
+checkpointing with the ``gradient_checkpointing_kwargs`` the caller passed by keyword (the
+``checkpointing-restore`` patch brings back the rest) and re-adds trl's ZeRO-3 hooks if they are still removed. The normal path is trl's own code,
 untouched. Trainer modules that bound the old public name at import are rebound.
 """
 
@@ -121,7 +121,7 @@ PATCH = Patch(
         Target("trl.models.utils:_unwrap_model_for_generation", _unwrap_model_for_generation, requires="trl>=0.29"),
         Target("trl.models.utils:unwrap_model_for_generation", _unwrap_model_for_generation, requires="trl<0.29"),
     ),
-    references=("../shared/upstream-bugs.md#B3",),
+    references=("docs/bugs.md#trl-restore-on-error", "huggingface/trl#6659"),
     consumers=("trl.*",),
     self_check=_self_check,
 )

@@ -68,8 +68,8 @@ class Cell:
 
 
 #: The cells. Full cells run the suite and doctor. Edge cells run doctor only and sit on the first
-#: or last release line of a gate that no full cell measures: trl 0.26 (B4 starts), trl 0.28 (last
-#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.16 (B5/B6 start), 5.22
+#: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
+#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.16 (every_n_layers is sent), 5.22
 #: and 5.23 (the Trainer path before activation_checkpointing_enable, and the override path after).
 CELLS = (
     Cell("tf4.57-trl0.25"),

@@ -1,4 +1,4 @@
-"""B6: every_n_layers/offload/selective inside the kwargs never reach torch.utils.checkpoint."""
+"""checkpoint-kwargs-clean: every_n_layers/offload/selective inside the kwargs never reach torch.utils.checkpoint."""
 
 import importlib.util
 

@@ -1,4 +1,4 @@
-"""B4/B5: re-enable calls fit every signature of the method they reach."""
+"""checkpointing-call-signature: re-enable calls fit every signature of the method they reach."""
 
 import importlib.util
 import inspect
@@ -52,7 +52,7 @@ def wrapper_class(shape: str):
 
 
 SHAPES = ["(kw=None)", "(*, kw=None)", "(**kwargs)", "(kw=None, **kwargs)", "()"]
-# Which shapes trl's positional re-enable breaks upstream (B4).
+# Which shapes trl's positional re-enable breaks upstream.
 BROKEN_UPSTREAM = {"(*, kw=None)", "(**kwargs)", "()"}
 
 
@@ -110,7 +110,7 @@ def test_trainer_module_that_bound_the_name_before_import_shim_sees_the_fix():
     assert lines == ["True True", "{'use_reentrant': True}", "True"]
 
 
-# -- B5: transformers >= 5.16 sends every_n_layers/offload to overrides ------------------------
+# -- transformers >= 5.16 sends every_n_layers/offload to overrides ------------------------
 
 needs_new_keywords = pytest.mark.skipif(
     not supports("every_n_layers"), reason="version rule: every_n_layers/offload are sent from transformers 5.16"

@@ -1,4 +1,4 @@
-"""B2: every disable/enable cycle gives back the exact checkpointing configuration.
+"""checkpointing-restore: every disable/enable cycle gives back the exact checkpointing configuration.
 
 Each case first runs the cycle with the shim switched off (``shim.disabled()``) on the installed
 upstream releases and shows the configuration lost, then with the shim on and shows it intact.

@@ -10,7 +10,7 @@ from shim import Patch, Registry, Target, doctor
 from tests.conftest import run_python
 
 NAME = "load-keeps-requires-grad"
-#: Version rule of B1: transformers 5.x resets requires_grad on load; 4.x keeps it and has no
+#: Version rule of the load bug: transformers 5.x resets requires_grad on load; 4.x keeps it and has no
 #: core_model_loading module, so there the patch is skipped and loading keeps the flags anyway.
 B1_EXISTS = Version(transformers.__version__) >= Version("5.0")
 B1_STATE = "applied" if B1_EXISTS else "skipped"
@@ -63,7 +63,7 @@ def test_import_shim_imports_neither_torch_nor_transformers():
     assert run_python(code).stdout.strip() == "[]"
 
 
-@pytest.mark.skipif(not B1_EXISTS, reason="version rule: B1 exists from transformers 5.0 (4.x has no core_model_loading to wrap)")
+@pytest.mark.skipif(not B1_EXISTS, reason="version rule: the load bug exists from transformers 5.0 (4.x has no core_model_loading to wrap)")
 def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
     code = """
     import importlib, wrapt, shim

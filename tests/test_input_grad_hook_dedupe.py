@@ -1,4 +1,4 @@
-"""B8: at most one input-require-grads hook on the embeddings over any number of cycles."""
+"""input-grad-hook-dedupe: at most one input-require-grads hook on the embeddings over any number of cycles."""
 
 import pytest
 

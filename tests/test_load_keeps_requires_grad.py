@@ -1,4 +1,4 @@
-"""B1 on the installed transformers: loading must not unfreeze parameters.
+"""load-keeps-requires-grad on the installed transformers: loading must not unfreeze parameters.
 
 Every test first shows the bug with the patch switched off, then the fix with it on.
 """
@@ -18,7 +18,7 @@ from shim.selfcheck import quiet_transformers, tiny_llama_config
 NAME = "load-keeps-requires-grad"
 pytestmark = pytest.mark.skipif(
     Version(transformers.__version__) < Version("5.0"),
-    reason="version rule: B1 exists from transformers 5.0 (4.x loads with load_state_dict(assign=True))",
+    reason="version rule: the load bug exists from transformers 5.0 (4.x loads with load_state_dict(assign=True))",
 )
 quiet_transformers()
 

@@ -1,4 +1,4 @@
-"""B7 on the installed transformers: reentrant checkpointing must keep the gradients of tensors a
+"""reentrant-keyword-grads on the installed transformers: reentrant checkpointing must keep the gradients of tensors a
 layer receives by keyword.
 
 Every test first shows the bug with the patch switched off (or, for paths the patch must not
@@ -282,7 +282,7 @@ NESTED_ONLY = {  # the only grad-requiring tensor sits in a dict's list, by keyw
 def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
     # torch's reentrant contract: of the positional arguments only top-level tensors are inputs.
     # A tensor nested in a positional tuple loses its gradient with or without keywords; that is
-    # torch's documented limit, not B7, and the patch passes positional arguments as they are.
+    # torch's documented limit, not this bug, and the patch passes positional arguments as they are.
     args, _, _ = build(spec)
     assume(not (reentrant and any(not isinstance(a, torch.Tensor) and module._wants_grad(a) for a in args)))
     expected_output, expected = run(spec, None)

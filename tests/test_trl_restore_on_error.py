@@ -1,4 +1,4 @@
-"""B3: an exception inside trl's unwrap_model_for_generation leaves checkpointing on."""
+"""trl-restore-on-error: an exception inside trl's unwrap_model_for_generation leaves checkpointing on."""
 
 import importlib.util
 import types

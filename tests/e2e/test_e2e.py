@@ -264,7 +264,7 @@ def test_single_rank_loses_checkpointing_without_the_shim(tmp_path, trainer):
     assert run.reports, f"the run never reached training\n{run.describe()}"
     report = run.reports[0]
     assert report["configured"] == {"use_reentrant": True, "every_n_layers": 2}
-    # The Trainer set it up right; trl's re-enable loses it (every_n_layers: B2 and B6).
+    # The Trainer set it up right; trl's re-enable loses it (every_n_layers: checkpointing-restore and checkpoint-kwargs-clean).
     setup = report["records"][0]
     assert observed_state(setup) == expected_state(report["configured"], setup["layers"]), run.describe()
     assert _lost(run), f"bug: expected {trainer} to lose the configured checkpointing\n{run.describe()}"
