@@ -7,8 +7,11 @@ from __future__ import annotations
 
 
 def quiet_transformers() -> None:
-    """Silence transformers' progress bars and info logs for a readable doctor report."""
-    import transformers
+    """Silence transformers' progress bars and info logs for a readable doctor report (if it is there)."""
+    try:
+        import transformers
+    except ImportError:
+        return
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

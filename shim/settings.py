@@ -25,24 +25,24 @@ _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own, wrapt's import hooks (a patch is
 # applied from inside the user's ``import transformers``) and importlib's.
 _OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
-_NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep)
+_NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep, os.sep + "importlib" + os.sep)
 
 _warned: set[str] = set()
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside the shim, wrapt and
-    importlib: the user's ``import shim``, ``import transformers`` or ``shim.enable(...)`` line.
+    """The ``stacklevel`` that points a warning issued by the caller of this function at the first
+    frame outside the shim, wrapt and importlib: the user's ``import shim``, ``import transformers``
+    or ``shim.enable(...)`` line.
 
-    Counted the way :func:`warnings.warn` walks the stack (it skips importlib's internal frames
-    by itself), starting from the caller of this function's caller.
+    Frames are counted the way :func:`warnings.warn` counts them: it skips importlib's
+    ``_bootstrap`` frames by itself.
     """
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename
-        internal = "importlib" in filename and "_bootstrap" in filename
-        if not internal:
+        if not ("importlib" in filename and "_bootstrap" in filename):
             if not any(part in filename for part in _NOT_THE_CALLER):
                 return level
             level += 1

@@ -87,8 +87,10 @@ def test_status_cli_json_and_table():
     assert record["state"] == B1_STATE
     assert record["targets"][0] == "transformers.core_model_loading:set_param_for_module"
     table = run_python("from shim.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}).stdout
-    row = next(line for line in table.splitlines() if line.startswith(NAME))
-    assert row.split()[1] == "disabled" and "opted out with SHIM_DISABLE=all" in row
+    lines = table.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
+    assert lines[row].split()[1:3] == ["disabled", transformers.__version__]
+    assert "reason: opted out with SHIM_DISABLE=all" in lines[row + 2]
 
 
 def test_doctor_reports_b1_present_upstream_and_fixed():

@@ -1,0 +1,76 @@
+"""``python -m shim`` as a stranger meets it: help, a table that fits, doctor without the libraries."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shim
+from shim import patches as catalogue
+from shim.cli import WIDTH, status_table
+from tests.conftest import ROOT, run_python
+
+ENVIRONMENT = ("SHIM_DISABLE", "SHIM_FORCE", "SHIM_STRICT", "SHIM_LOG_LEVEL", "SHIM_REPORT")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shim", *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("args", [("--help",), ("status", "--help"), ("doctor", "--help")])
+def test_help_describes_commands_environment_and_exit_codes(args):
+    result = cli(*args)
+    assert result.returncode == 0
+    for text in (*ENVIRONMENT, "exit codes:", "NOT FIXED"):
+        assert text in result.stdout, f"{text!r} missing from python -m shim {' '.join(args)}"
+    if args == ("--help",):
+        assert "status" in result.stdout and "doctor" in result.stdout and "tiny model built in code" in result.stdout
+    if args[0] == "doctor":
+        for verdict in ("fixed", "not affected", "not reproduced", "opted out", "not installed", "check error"):
+            assert verdict in result.stdout
+
+
+def test_a_bad_command_line_exits_2():
+    assert cli("frobnicate").returncode == 2
+
+
+def test_the_status_table_fits_100_columns_and_shows_every_summary():
+    records = shim.status()
+    text = status_table(records)
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    flat = " ".join(text.split())
+    for record in records:
+        assert " ".join(record.summary.split()) in flat
+        assert " ".join(f"reason: {record.reason}".split()) in flat
+    wide = status_table(records, wide=True).splitlines()
+    for record in records:
+        assert f"    reason: {record.reason}" in wide
+
+
+def test_status_json_carries_effects():
+    records = json.loads(cli("--json").stdout)
+    assert {"effects", "last_effect"} <= set(records[0])
+    assert all(record["effects"] == 0 and record["last_effect"] == "" for record in records)
+
+
+BLOCKED = """
+import sys
+for name in ("transformers", "trl", "peft"):
+    sys.modules[name] = None  # Python's way to make a module unimportable
+from shim.cli import main
+raise SystemExit(main({args}))
+"""
+
+
+@pytest.mark.parametrize("args", [["doctor"], ["status", "--import-targets"]])
+def test_without_transformers_trl_and_peft_the_cli_shows_not_installed_and_exits_0(args):
+    result = run_python(BLOCKED.format(args=args))  # asserts exit status 0
+    names = [row[0] for row in catalogue.INDEX]
+    rows = [line for line in result.stdout.splitlines() if line.split() and line.split()[0] in names]
+    assert len(rows) == len(names)
+    if args == ["doctor"]:
+        assert all(row.split()[-2:] == ["not", "installed"] and " skipped " in row for row in rows)
+    else:
+        assert all(row.split()[1:3] == ["skipped", "-"] for row in rows)
+        assert result.stdout.count("is not installed") == len(rows)

@@ -1,0 +1,151 @@
+"""Every switch does what it says, or says why not: environment variables, the Python API, status."""
+
+import importlib
+import warnings
+
+import pytest
+
+from shim import APPLIED, DISABLED, SKIPPED, Registry, ShimWarning, settings
+from tests.conftest import run_python
+from tests.test_engine import TARGET, make_patch, state
+
+
+@pytest.fixture(autouse=True)
+def fresh_environment(monkeypatch):
+    monkeypatch.setattr(settings, "_warned", set())
+    for variable in ("SHIM_DISABLE", "SHIM_FORCE", "SHIM_STRICT", "SHIM_LOG_LEVEL", "SHIM_REPORT"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+def three(pkg):
+    return Registry(
+        [
+            make_patch(pkg, name="first-patch"),
+            make_patch(pkg, "target:g", name="second-patch"),
+            make_patch(pkg, "target:g", name="third-patch"),
+        ]
+    )
+
+
+# -- SHIM_DISABLE / SHIM_FORCE ---------------------------------------------------------------------
+
+
+def test_every_known_name_is_honoured_whatever_the_others(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", "FIRST_patch, nonsense-patch, second_patch, rm -rf")
+    registry = three(pkg)
+    with pytest.warns(ShimWarning) as caught:
+        registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1 and module.g(1) == ("third-patch", -1)
+    assert state(registry, "first-patch") == (DISABLED, "opted out with SHIM_DISABLE=first-patch")
+    assert state(registry, "second-patch")[0] == DISABLED
+    messages = [str(w.message) for w in caught]
+    assert any("unknown patch 'nonsense-patch', ignored; did you mean" in m for m in messages)
+    assert any("'rm -rf' is not a patch name, ignored" in m and "first-patch" in m for m in messages)
+
+
+def test_force_accepts_module_style_names(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    monkeypatch.setenv("SHIM_FORCE", "Gated_Patch")
+    registry = Registry([make_patch(pkg, name="gated-patch", requires=">=9")])
+    registry.activate()
+    assert module.f(1) == ("gated-patch", 1)
+    assert "applied anyway because of SHIM_FORCE" in state(registry, "gated-patch")[1]
+
+
+def test_warnings_point_at_the_users_code_not_at_the_shim(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", "nonsense-patch")
+    registry = three(pkg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry.activate()  # read on activation: this line
+        settings._warned.clear()
+        importlib.import_module(f"{pkg}.target")  # read again when the target applies, inside the import
+    assert [w.filename for w in caught if w.category is ShimWarning] == [__file__, __file__]
+
+
+def test_a_bad_flag_warns_with_the_valid_values(monkeypatch):
+    monkeypatch.setenv("SHIM_STRICT", "maybe")
+    with pytest.warns(ShimWarning, match="SHIM_STRICT='maybe' is not valid; use one of 0, 1, false, no, off, on"):
+        assert settings.read(()).strict is False
+
+
+# -- the Python API ------------------------------------------------------------------------------
+
+
+def test_status_says_disabled_inside_shim_disabled(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    registry = three(pkg)
+    registry.activate()
+    importlib.import_module(f"{pkg}.target")
+    with registry.disabled("first-patch"):
+        assert state(registry, "first-patch") == (DISABLED, "inside shim.disabled()")
+        assert state(registry, "second-patch")[0] == APPLIED
+        with registry.disabled():
+            assert {s.state for s in registry.status()} == {DISABLED}
+    assert {s.state for s in registry.status()} == {APPLIED}
+
+
+def test_enable_after_deactivate_applies_that_patch_again(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = three(pkg)
+    registry.activate()
+    registry.deactivate()
+    assert module.f(1) == 1 and state(registry, "first-patch")[0] == DISABLED
+
+    registry.enable("first-patch")
+
+    assert module.f(1) == ("first-patch", 1)
+    assert state(registry, "first-patch")[0] == APPLIED
+    assert module.g(1) == -1, "only the named patch: the others stay deactivated"
+    assert state(registry, "second-patch") == (DISABLED, "shim.deactivate() was called")
+
+
+def test_an_explicit_enable_survives_deactivate_and_activate(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    monkeypatch.setenv("SHIM_DISABLE", "first-patch")
+    registry = three(pkg)
+    registry.activate()
+    assert module.f(1) == 1
+    registry.enable("first-patch")
+    registry.deactivate()
+    registry.activate()
+    assert module.f(1) == ("first-patch", 1) and state(registry, "first-patch")[0] == APPLIED
+    registry.disable("first-patch")  # until it is switched off again
+    registry.deactivate()
+    registry.activate()
+    assert module.f(1) == 1
+
+
+def test_a_distribution_that_is_not_installed_is_skipped_not_pending(fake_modules):
+    registry = Registry([make_patch("not_installed_anywhere", "target:f", name="absent-patch")])
+    registry.activate()
+    assert state(registry, "absent-patch") == (SKIPPED, "not_installed_anywhere is not installed")
+
+
+def test_disabled_rows_still_show_the_installed_version(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", "all")
+    registry = three(pkg)
+    registry.activate()
+    assert {(s.state, s.installed) for s in registry.status()} == {(DISABLED, "1.2.0")}
+
+
+# -- SHIM_LOG_LEVEL, in a fresh interpreter --------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["INFO", "debug"])
+def test_shim_log_level_shows_the_shims_log_lines_on_stderr(level):
+    code = "import shim\nimport transformers.modeling_utils"
+    stderr = run_python(code, env={"SHIM_LOG_LEVEL": level}).stderr
+    assert "shim INFO: checkpointing-restore: applied (transformers" in stderr
+    assert ("shim DEBUG: " in stderr) == (level == "debug")
+
+
+def test_without_shim_log_level_the_shim_prints_nothing():
+    assert run_python("import shim\nimport transformers.modeling_utils").stderr == ""
