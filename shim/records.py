@@ -60,8 +60,7 @@ def report(records: Sequence[PatchStatus]) -> str:
     changed = [r for r in records if r.effects]
     quiet = [r.name for r in records if r.state == APPLIED and not r.effects]
     idle = [f"{r.name} ({r.state})" for r in records if r.state != APPLIED and not r.effects]
-    where = f"pid {os.getpid()}" + (f", rank {rank()}" if rank() else "")
-    lines = [f"hf-train-shim report ({where}): {len(changed)} of {len(records)} patches changed something"]
+    lines = [f"hf-train-shim report (pid {os.getpid()}): {len(changed)} of {len(records)} patches changed something"]
     if changed:
         rows = [[r.name, r.effects, r.last_effect] for r in changed]
         lines += ["  " + line for line in table(rows, ["patch", "effects", "last effect"], right=(1,)).splitlines()]

@@ -151,7 +151,7 @@ def test_every_cell_has_a_constraints_file_pinning_torch_first():
 
 
 def test_the_saved_doctor_table_is_the_one_doctor_prints():
-    from shim.cli import _table
+    from shim.records import table as _table
 
     findings = [dict(name="demo", installed="5.0.0", state="applied", bug_upstream="yes", bug_with_shim="no",
                      verdict="fixed", detail="d"),
