@@ -1,10 +1,10 @@
 """The patch registry: when to apply each patch, and the record of what happened.
 
-Applying is lazy: each target is wrapped right after its module finishes importing (wrapt
-post-import hooks), or at once if it already has; the patch's module, its version gate and its
-shape probes are loaded and decided then. If a target fails, the targets of that patch already
-wrapped are unwrapped again. Nothing here imports a target module, and ``import shim`` imports
-neither ``packaging`` nor a patch module: both wait for the first target.
+Applying is lazy: each target is wrapped right after its module finishes importing (post-import
+hooks, ``shim.importhooks``), or at once if it already has; the patch's module, its version gate
+and its shape probes are loaded and decided then. If a target fails, the targets of that patch
+already wrapped are unwrapped again. Nothing here imports a target module, and ``import shim``
+imports neither wrapt, nor ``packaging``, nor a patch module: they wait for the first target.
 """
 
 from __future__ import annotations
@@ -13,36 +13,37 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
-import wrapt
-
-from . import effects, settings, wrapping
+from . import effects, importhooks, settings
 from .errors import PatchError
+from .switch import Switch
 
 if TYPE_CHECKING:
+    from typing import Protocol
+
     from .patch import Patch
     from .records import PatchStatus
     from .versions import GateDecision
+
+    class Declared(Protocol):
+        """What the registry needs of a patch before applying it: a :class:`~shim.Patch`, or a
+        catalogue listing that imports the patch's module on :meth:`load`."""
+
+        name: str
+        distribution: str
+        requires: str
+
+        @property
+        def modules(self) -> tuple[str, ...]: ...
+
+        def load(self) -> Patch: ...
+
 
 log = logging.getLogger("shim")
 
 APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
 SUSPENDED_REASON = "inside shim.disabled()"
-
-
-class Declared(Protocol):
-    """What the registry needs of a patch before applying it: a :class:`~shim.Patch`, or a
-    catalogue listing that imports the patch's module on :meth:`load`."""
-
-    name: str
-    distribution: str
-    requires: str
-
-    @property
-    def modules(self) -> tuple[str, ...]: ...
-
-    def load(self) -> Patch: ...
 
 
 def _imported(module_name: str) -> bool:
@@ -62,10 +63,10 @@ class _Entry:
         "rebound", "hooked", "done_modules", "gate", "notes", "applied_reason", "settled",
     )  # fmt: skip
 
-    def __init__(self, declared: Declared, active: bool) -> None:
+    def __init__(self, declared: "Declared", active: bool) -> None:
         self.declared = declared
         self.patch: Optional[Patch] = None  # loaded on the first target import (or a status)
-        self.switch = wrapping.Switch()
+        self.switch = Switch()
         self.state, self.reason = PENDING, "not activated"
         self.installed: Optional[str] = None
         self.active = active  # activate()/enable() vs deactivate()
@@ -84,7 +85,7 @@ class _Entry:
 class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
-    def __init__(self, patches: Sequence[Declared] = ()) -> None:
+    def __init__(self, patches: Sequence["Declared"] = ()) -> None:
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._active = False
@@ -93,7 +94,7 @@ class Registry:
 
     # -- declaring ------------------------------------------------------------------------------
 
-    def register(self, patch: Declared) -> Declared:
+    def register(self, patch: "Declared") -> "Declared":
         """Add ``patch``; if the registry is active it is applied now or on its targets' import."""
         with self._lock:
             existing = self._entries.get(patch.name)
@@ -193,6 +194,7 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         """One record per patch: its state and why, its versions, and what it changed so far."""
+        importhooks.poll()  # targets another thread finished importing since their hooks were set
         with self._lock:
             return [self._status(entry) for entry in self._entries.values()]
 
@@ -298,12 +300,12 @@ class Registry:
                 self._settle_state(entry, waiting)
             if problem is not None and config.strict:
                 raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
-        # Registering outside the lock: wrapt may run the hook at once if another thread just
-        # finished the import, and the hook takes the lock itself.
+        # Registering outside the lock: the hook runs at once if another thread just finished
+        # the import, and the hook takes the lock itself.
         for module_name in waiting:
             if module_name not in entry.hooked:
                 entry.hooked.add(module_name)
-                wrapt.register_post_import_hook(lambda module, n=name: self._on_import(n, module), module_name)
+                importhooks.when_imported(module_name, lambda module, n=name: self._on_import(n, module))
 
     def _settle_state(self, entry: _Entry, waiting: tuple[str, ...]) -> None:
         later = f"applies when {', '.join(waiting)} is imported" if waiting else ""
@@ -323,7 +325,7 @@ class Registry:
 
     def _apply_modules(self, entry: _Entry, module_names: list[str], forced: bool) -> Optional[str]:
         """Load, gate, probe and wrap the targets in ``module_names``; returns a problem for strict mode."""
-        from . import versions
+        from . import versions, wrapping
 
         try:
             patch = self._load(entry)
@@ -352,8 +354,8 @@ class Registry:
                     continue
             module = sys.modules[target.module]
             try:
-                original = wrapt.resolve_path(module, target.path)[2]
-            except wrapt.PathResolutionError:
+                original = wrapping.resolve(module, target.path)
+            except wrapping.PathResolutionError:
                 return self._give_up(entry, SKIPPED, f"target {target.spec} does not exist in {gate.installed}")
             if target.probe is not None:
                 try:
@@ -393,6 +395,10 @@ class Registry:
         return None
 
     def _remove(self, entry: _Entry) -> None:
+        if not (entry.layers or entry.rebound):
+            return
+        from . import wrapping
+
         for module, attribute, handle, original in entry.rebound:
             wrapping.unbind([(module, attribute)], handle, original)
         entry.rebound.clear()

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 from .errors import ShimWarning
 
@@ -64,11 +64,16 @@ def canonical(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
-class Settings(NamedTuple):
-    disable_all: bool
-    disabled: frozenset[str]
-    forced: frozenset[str]
-    strict: bool
+class Settings:
+    """The switches read from the environment (a plain class: ``import shim`` builds no namedtuple)."""
+
+    __slots__ = ("disable_all", "disabled", "forced", "strict")
+
+    def __init__(self, disable_all: bool, disabled: frozenset[str], forced: frozenset[str], strict: bool) -> None:
+        self.disable_all = disable_all
+        self.disabled = disabled
+        self.forced = forced
+        self.strict = strict
 
 
 def _closest(name: str, known: list[str]) -> str:

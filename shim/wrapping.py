@@ -7,37 +7,24 @@ shim's module state: a reloaded ``shim`` or a second registry finds the layer al
 
 from __future__ import annotations
 
-import fnmatch
 import sys
 from typing import Callable, Optional
 
 import wrapt
+
+from .switch import Switch
 
 # Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
 _PATCH_ATTRIBUTE = "_self_shim_patch"
 _SWITCH_ATTRIBUTE = "_self_shim_switch"
 
 
-class Switch:
-    """The runtime on/off state of one patch, handed to wrapt as the wrapper's ``enabled``.
+PathResolutionError = wrapt.PathResolutionError
 
-    wrapt evaluates it on every call, so flipping it acts at once, even when other wrappers sit
-    on top of ours. ``on`` is kept precomputed so the per-call check is one attribute read.
-    """
 
-    __slots__ = ("disabled", "suspended", "removed", "on")
-
-    def __init__(self) -> None:
-        self.disabled = False  # shim.disable() / shim.enable()
-        self.suspended = 0  # nesting depth of shim.disabled() blocks
-        self.removed = False  # deactivated, but a layer could not be spliced out
-        self.on = True
-
-    def __bool__(self) -> bool:
-        return self.on
-
-    def update(self) -> None:
-        self.on = not (self.disabled or self.suspended or self.removed)
+def resolve(module: object, path: str) -> object:
+    """The object at ``module.path`` as wrapt will wrap it (raises :data:`PathResolutionError`)."""
+    return wrapt.resolve_path(module, path)[2]
 
 
 def patch_name_of(entry: object) -> Optional[str]:
@@ -85,6 +72,8 @@ def rebind(patterns: tuple[str, ...], original: object, replacement: object):
 
     Returns ``(rebound, failed)``: ``(module, attribute)`` pairs, so the rebinding can be undone.
     """
+    import fnmatch  # only where a patch names consumers
+
     rebound, failed = [], []
     for module_name, module in list(sys.modules.items()):
         if module is None or not any(fnmatch.fnmatchcase(module_name, p) for p in patterns):

@@ -27,7 +27,7 @@ def test_the_index_says_what_each_patch_module_declares():
     assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row[0] for row in catalogue.INDEX)
 
 
-def test_import_shim_after_transformers_imports_no_patch_module_and_no_packaging_specifiers():
+def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_packaging_specifiers():
     code = """
     import json, sys
     import transformers
@@ -35,11 +35,12 @@ def test_import_shim_after_transformers_imports_no_patch_module_and_no_packaging
     print(json.dumps({
         "patch_modules": sorted(m for m in sys.modules if m.startswith("shim.patches.")),
         "packaging.specifiers": "packaging.specifiers" in sys.modules,
+        "wrapt": "wrapt" in sys.modules,
         "states": sorted({s.state for s in shim.status()}),
     }))
     """
     out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
-    assert out["patch_modules"] == [] and out["packaging.specifiers"] is False
+    assert out["patch_modules"] == [] and out["packaging.specifiers"] is False and out["wrapt"] is False
     # shim.status() then reads the modules for their summaries: it imports them, applies nothing.
     assert "applied" not in out["states"]
 
