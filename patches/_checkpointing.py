@@ -41,16 +41,7 @@ def layer_state(model) -> dict:
 _class_can_checkpoint: dict = {}
 
 
-def can_checkpoint(module) -> bool:
-    """Whether ``module`` holds a ``gradient_checkpointing`` flag of its own or of its class.
-
-    Equivalent to transformers' ``hasattr(module, "gradient_checkpointing")`` for the modules it
-    has set the flag on, without ``Module.__getattr__``'s costly miss on every other module: the
-    answer for a class is computed once.
-    """
-    if "gradient_checkpointing" in module.__dict__:
-        return True
-    cls = type(module)
+def _class_declares_flag(cls) -> bool:
     known = _class_can_checkpoint.get(cls)
     if known is None:
         if len(_class_can_checkpoint) > 1024:
@@ -59,25 +50,94 @@ def can_checkpoint(module) -> bool:
     return known
 
 
-def capture(model) -> list:
-    """``[(module, flag, checkpoint function)]`` for every module of ``model`` that can checkpoint.
+def can_checkpoint(module) -> bool:
+    """Whether ``module`` holds a ``gradient_checkpointing`` flag of its own or of its class.
 
-    A walk over ``_modules`` with ``__dict__`` reads: it runs on every disable (trl: every
-    generation step), so it must cost a fraction of what transformers' own walk costs.
+    Equivalent to transformers' ``hasattr(module, "gradient_checkpointing")`` for the modules it
+    has set the flag on, without ``Module.__getattr__``'s costly miss on every other module: the
+    answer for a class is computed once.
     """
-    captured = []
+    return "gradient_checkpointing" in module.__dict__ or _class_declares_flag(type(module))
+
+
+class _Layout:
+    """Where a model's checkpointing modules sit: each with the ``_modules`` dict that holds it
+    and that dict's size, so a module replaced or removed, or one appended beside them (a layer
+    added to the list), is noticed without walking the model again."""
+
+    __slots__ = ("modules", "places")
+
+    def __init__(self) -> None:
+        self.modules: list = []
+        self.places: list = []  # (holder dict, key, holder size), or None for the model itself
+
+    def current(self) -> bool:
+        for module, place in zip(self.modules, self.places):
+            if place is not None:
+                holder, key, size = place
+                if len(holder) != size or holder.get(key) is not module:
+                    return False
+        return True
+
+
+# model -> its _Layout; weak, and holding only submodules and their dicts, never the model.
+_layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _scan(model) -> _Layout:
+    """Walk ``_modules`` once with ``__dict__`` reads and a per-class answer (about a third of what
+    transformers' own ``modules()`` and ``hasattr`` walk costs)."""
+    layout = _Layout()
     seen = set()
-    stack = [model]
+    stack = [(model, None)]
+    known = _class_can_checkpoint
     while stack:
-        module = stack.pop()
-        if id(module) in seen:
+        module, place = stack.pop()
+        if module is None or id(module) in seen:
             continue
         seen.add(id(module))
-        if can_checkpoint(module):
-            function = module.__dict__.get("_gradient_checkpointing_func", MISSING)
-            captured.append((module, module.gradient_checkpointing, function))
-        stack.extend(child for child in module._modules.values() if child is not None)
-    return captured
+        state = module.__dict__
+        declares = known.get(type(module))
+        if declares is None:
+            declares = _class_declares_flag(type(module))
+        if declares or "gradient_checkpointing" in state:
+            layout.modules.append(module)
+            layout.places.append(place)
+        children = state.get("_modules")
+        if children:
+            size = len(children)
+            stack.extend((child, (children, key, size)) for key, child in children.items())
+    return layout
+
+
+def checkpointing_modules(model) -> list:
+    """Every module of ``model`` that can checkpoint, found once and then reused while its
+    layout holds (it runs on every disable: trl's generation cycle).
+
+    Limit: a subtree with checkpointing modules attached after the last walk in a place the
+    layout does not watch is found at the next explicit enable (see :func:`forget_layout`).
+    """
+    layout = _layouts.get(model)
+    if layout is None or not layout.current():
+        layout = _scan(model)
+        try:
+            _layouts[model] = layout
+        except TypeError:  # not weak-referenceable: walk every time
+            pass
+    return layout.modules
+
+
+def forget_layout(model) -> None:
+    """Walk ``model`` again at its next capture (called on an enable that carries a configuration)."""
+    _layouts.pop(model, None)
+
+
+def capture(model) -> list:
+    """``[(module, flag, checkpoint function)]`` for every module of ``model`` that can checkpoint."""
+    return [
+        (module, module.gradient_checkpointing, module.__dict__.get("_gradient_checkpointing_func", MISSING))
+        for module in checkpointing_modules(model)
+    ]
 
 
 def same_function(first, second) -> bool:
@@ -123,6 +183,12 @@ def configured_kwargs(functions) -> dict | None:
         if flag and isinstance(function, functools.partial):
             return dict(function.keywords)
     return None
+
+
+def any_checkpointing(model) -> bool:
+    """Whether any module of ``model`` has its checkpointing flag set: transformers'
+    ``is_activation_checkpointing`` for a ``PreTrainedModel``, without its walk."""
+    return any(module.gradient_checkpointing for module in checkpointing_modules(model))
 
 
 def is_checkpointing(model) -> bool:

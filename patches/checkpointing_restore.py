@@ -30,7 +30,7 @@ from shim import Patch, Target
 from shim.effects import record
 
 from ._arguments import argument
-from ._checkpointing import MISSING, capture, configured_kwargs, layer_state, restore
+from ._checkpointing import MISSING, capture, configured_kwargs, forget_layout, layer_state, restore
 
 NAME = "checkpointing-restore"
 # model -> capture() at its last disable; weak, so a captured model can still be freed.
@@ -68,13 +68,17 @@ def _describe(kwargs) -> str:
 def _restoring_enable(kwargs_name: str):
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        captured = _captured.pop(instance, None) if instance is not None else None
-        if captured is not None and _carries_no_configuration(
+        if instance is None:
+            return result
+        captured = _captured.pop(instance, None)
+        if captured is None or not _carries_no_configuration(
             argument(args, kwargs, 0, kwargs_name, None),
             argument(args, kwargs, 1, "every_n_layers", 1),
             argument(args, kwargs, 2, "offload", False),
             captured,
         ):
+            forget_layout(instance)  # a configuration of the caller's: look at the model afresh next time
+        else:
             changed, replaced = restore(captured)
             if changed:
                 upstream = dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced

@@ -22,7 +22,7 @@ from shim import Patch, Target
 from shim.effects import record
 
 from ._arguments import argument
-from ._checkpointing import enable, is_checkpointing
+from ._checkpointing import any_checkpointing, enable, is_checkpointing
 
 log = logging.getLogger("shim")
 NAME = "trl-restore-on-error"
@@ -34,6 +34,24 @@ def _zero3_hooks_removed(engine) -> bool:
     offload = getattr(optimizer, "parameter_offload", None) or optimizer
     hooks = getattr(offload, "forward_hooks", None)
     return isinstance(hooks, list) and not hooks and hasattr(offload, "_register_deepspeed_module")
+
+
+# What accelerate's unwrap_model takes off (its walk over every module to look for compiled regions
+# costs more than trl's whole disable/enable cycle, so it runs only after an exception).
+_CONTAINERS = frozenset({"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"})
+
+
+def _unwrapped(model):
+    """The model inside distributed containers and ``torch.compile``, like ``accelerator.unwrap_model``."""
+    for _ in range(8):
+        modules = getattr(model, "__dict__", {}).get("_modules") or {}
+        if type(model).__name__ == "OptimizedModule" and "_orig_mod" in modules:
+            model = modules["_orig_mod"]
+        elif any(cls.__name__ in _CONTAINERS for cls in type(model).__mro__) and "module" in modules:
+            model = modules["module"]
+        else:
+            break
+    return model
 
 
 class _RestoreOnError:
@@ -49,8 +67,13 @@ class _RestoreOnError:
         self._was_checkpointing = False
 
     def __enter__(self):
-        self._unwrapped = self._accelerator.unwrap_model(self._model)
-        self._was_checkpointing = is_checkpointing(self._unwrapped)
+        try:
+            self._was_checkpointing = any_checkpointing(_unwrapped(self._model))
+        except Exception:  # a container this shortcut does not know: ask accelerate
+            try:
+                self._was_checkpointing = is_checkpointing(self._accelerator.unwrap_model(self._model))
+            except Exception:  # never break trl's own context over a check of ours
+                self._was_checkpointing = False
         return self._context.__enter__()
 
     def __exit__(self, exc_type, exc, traceback):
@@ -63,6 +86,7 @@ class _RestoreOnError:
     def _clean_up_after(self, exc_type) -> None:
         done = []
         try:
+            self._unwrapped = self._accelerator.unwrap_model(self._model)
             if self._gather and _zero3_hooks_removed(self._model):
                 sys.modules["trl.models.utils"].add_hooks(self._model)
                 done.append("re-added DeepSpeed ZeRO-3 hooks")

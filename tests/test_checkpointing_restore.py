@@ -313,3 +313,30 @@ def test_trl_value_head_style_aliases_of_bound_methods():
     assert after != before
     before, after = run_cycle(cycle, "use_reentrant-flipped")
     assert after == before
+
+
+# -- the layout the capture reuses between cycles ---------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["replace a layer", "append a layer", "remove a layer"])
+def test_a_layer_replaced_added_or_removed_between_cycles_is_captured_too(change):
+    """The capture walks the model once and then watches where its checkpointing modules sit;
+    a change there is noticed and the next cycle still restores every layer."""
+    model = tiny_llama(layers=4)
+    configure(model, {**FLIPPED, "preserve_rng_state": False})
+    bare_activation_checkpointing(model, None)  # the first cycle walks the model and keeps its layout
+    layers = model.model.layers
+    if change == "replace a layer":
+        layers[1] = type(layers[1])(model.config, layer_idx=1)
+    elif change == "append a layer":
+        layers.append(type(layers[1])(model.config, layer_idx=4))
+    else:
+        del layers[3]
+    configured = describe(model)["model.layers.0"]
+    for index, layer in enumerate(layers):  # the new layer joins the configuration by hand
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = model.model.layers[0]._gradient_checkpointing_func
+    bare_activation_checkpointing(model, None)
+    assert {name: state for name, state in describe(model).items() if name.startswith("model.layers.")} == {
+        f"model.layers.{index}": configured for index in range(len(layers))
+    }
