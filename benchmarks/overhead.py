@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = False  # set by main(): a quick run has too few rounds to judge a target
 HEAVY = ("torch", "transformers", "trl", "peft", "accelerate", "numpy")
-TARGETS = {"import": 1.01, "load": 1.02, "step": 1.01, "memory": 1.01}
+TARGETS = {"import": 1.01, "load": 1.02, "step": 1.01, "memory": 1.01, "cycle": 1.10}
 QUIET_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -75,6 +75,8 @@ def parse_args(argv=None):
         else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=4, vocab_size=256),
         "batch": (2, 32) if quick else (4, 64),
+        # trl's disable/enable cycle is also measured on a deep model: its cost grows with the modules
+        "deep_layers": 8 if quick else 32,
     }
     args.rounds = args.rounds or (2 if quick else 12)
     args.import_rounds = 2 if quick else max(args.rounds, 12)
@@ -328,7 +330,8 @@ def measure_imports(args, log) -> dict:
         "count": len(new),
         "third_party": sorted({m.split(".")[0] for m in new} - set(stdlib) - {"shim", "patches"}),
         "heavy": sorted(m for m in HEAVY if m in new),
-        "file": on[0]["shim_file"],
+        "early": sorted(m for m in new if m.startswith(("shim.patches.", "wrapt", "packaging.specifiers"))),
+        "file": os.path.relpath(on[0]["shim_file"], ROOT) if on[0]["shim_file"] else None,
     }
 
     log("import shim, transformers")
@@ -477,18 +480,21 @@ def measure_in_process(args, directory: str, log) -> dict:
     accelerator = accelerate.Accelerator(cpu=True)
     kwargs = {"use_reentrant": False}
     n = args.cycles_per_block
-    model_on, _ = training_model(config, False)
-    with shim.disabled():
-        model_off, _ = training_model(config, False)
-    for key, cycle in (
-        ("cycle_unwrap", lambda model: trl_cycle(model, accelerator, kwargs)),
-        ("cycle_disable_gc", lambda model: trl_reference_cycle(model, kwargs)),
-    ):
-        block_on = lambda: [cycle(model_on) for _ in range(n)]
-        block_off = lambda: off_(lambda: [cycle(model_off) for _ in range(n)])
-        block_on(), block_off()
-        on, off = interleave(lambda: timed(block_on, n), lambda: timed(block_off, n), args.rounds * 2)
-        out[key] = compare(on, off)
+    deep = dict(config, num_hidden_layers=args.sizes["deep_layers"])
+    for suffix, model_config in (("", config), ("_deep", deep)):
+        model_on, _ = training_model(model_config, False)
+        with shim.disabled():
+            model_off, _ = training_model(model_config, False)
+        for key, cycle in (
+            ("cycle_unwrap", lambda model: trl_cycle(model, accelerator, kwargs)),
+            ("cycle_disable_gc", lambda model: trl_reference_cycle(model, kwargs)),
+        ):
+            block_on = lambda: [cycle(model_on) for _ in range(n)]
+            block_off = lambda: off_(lambda: [cycle(model_off) for _ in range(n)])
+            block_on(), block_off()
+            on, off = interleave(lambda: timed(block_on, n), lambda: timed(block_off, n), args.rounds * 2)
+            out[key + suffix] = compare(on, off)
+        del model_on, model_off
     return out
 
 
@@ -637,6 +643,15 @@ def measure_wrappers(args, directory: str, log) -> dict:
     return {"rows": rows}
 
 
+def measure_effects(args, counted: dict) -> dict:
+    """What one effects-ledger record costs (it runs only on the branch where a patch changed
+    something: a call passed through never reaches it), beside what the workloads counted."""
+    from shim import effects
+
+    record_ns = per_call_ns(lambda: effects.record("benchmark-probe", "probe %d", 1), args.replay_seconds)
+    return {"counted": counted, "record_ns": record_ns}
+
+
 def measure_engine(args) -> dict:
     """The raw cost of one shim layer (pass-through wrapper) on a module function and a method."""
     from shim import wrapping
@@ -714,7 +729,7 @@ def comparison_row(label, result, scale, kind=None):
 HEADERS = ["measurement", "on", "off", "ratio", "ratio IQR", "noise", "wall ratio", "n", "target"]
 
 
-def report(args, info, imports, workers, in_process, wrappers, engine) -> str:
+def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -> str:
     out = []
     out.append(f"hf-train-shim overhead ({'quick' if args.quick else 'full'} run): shim on / shim off, same run")
     out.append(info)
@@ -745,6 +760,8 @@ def report(args, info, imports, workers, in_process, wrappers, engine) -> str:
     out.append(f"import shim loads {m['count']} modules; outside the standard library: "
                f"{', '.join(m['third_party']) or 'none'}; torch/transformers/trl/peft/accelerate/numpy: "
                f"{', '.join(m['heavy']) or 'none'} (shim from {m['file']})")
+    out.append(f"import shim imports a patch module, wrapt or packaging.specifiers before a target is imported: "
+               f"{', '.join(m['early']) or 'none'}")
     out.append("")
 
     out.append(f"3-4, 6. Fresh interpreters, shim on vs SHIM_DISABLE=all (nothing wrapped): "
@@ -771,12 +788,15 @@ def report(args, info, imports, workers, in_process, wrappers, engine) -> str:
     out.append("")
 
     out.append("3-5. Same process, shim on vs shim.disabled() (wrappers in place, inert), identical models; ms")
+    layers, deep = args.sizes["step_config"]["num_hidden_layers"], args.sizes["deep_layers"]
     labels = {
         "load": (f"from_pretrained ({info_tensors(args)})", "load"),
         "step_reentrant": ("training step, reentrant", "step"),
         "step_non_reentrant": ("training step, non-reentrant", "step"),
-        "cycle_unwrap": ("trl unwrap_model_for_generation cycle", None),
-        "cycle_disable_gc": ("trl disable_gradient_checkpointing cycle", None),
+        "cycle_unwrap": (f"trl unwrap_model_for_generation cycle, {layers} layers", "cycle"),
+        "cycle_disable_gc": (f"trl disable_gradient_checkpointing cycle, {layers} layers", "cycle"),
+        "cycle_unwrap_deep": (f"trl unwrap_model_for_generation cycle, {deep} layers", "cycle"),
+        "cycle_disable_gc_deep": (f"trl disable_gradient_checkpointing cycle, {deep} layers", "cycle"),
     }
     rows = [comparison_row(label, in_process[key], 1e3, kind) for key, (label, kind) in labels.items()]
     out.append(table(rows, HEADERS))
@@ -800,6 +820,10 @@ def report(args, info, imports, workers, in_process, wrappers, engine) -> str:
     rows = [[kind, f"{bare:.0f}", f"{on - bare:+.0f}", f"{off - bare:+.0f}"] for kind, (bare, on, off) in engine.items()]
     out.append("One shim layer with a pass-through wrapper (the engine's floor):")
     out.append(table(rows, ["call", "bare ns", "on +ns", "inert +ns"]))
+    counted = ", ".join(f"{name} {count}" for name, count in ledger["counted"].items())
+    out.append(f"Effects ledger: one record costs {ledger['record_ns']:.0f} ns and runs only on a call that changed "
+               f"something (the per-wrapper rows above replay pass-through calls, which never reach it); "
+               f"effects counted by the in-process workloads (load, steps, trl cycles): {counted}")
     timings = [r for group in (imports, workers, in_process) for r in group.values()
                if isinstance(r, dict) and "wall_ratio" in r]
     noise = sorted(r["noise"] for r in timings)
@@ -843,8 +867,10 @@ def main(argv=None) -> int:
         log(f"load and training step in fresh interpreters ({tensors} tensors)")
         workers = measure_workers(args, directory, log)
         in_process = measure_in_process(args, directory, log)
+        counted = {record.name: record.effects for record in shim.status()}  # before the replays add more
         wrappers = measure_wrappers(args, directory, log)
     engine = measure_engine(args)
+    ledger = measure_effects(args, counted)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
     applied = [s.name for s in shim.status() if s.state == "applied"]
@@ -854,11 +880,12 @@ def main(argv=None) -> int:
         f"{load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs | {time.perf_counter() - started:.0f} s\n"
         f"patches applied ({len(applied)}): {', '.join(applied)}"
     )
-    text = report(args, info, imports, workers, in_process, wrappers, engine)
+    text = report(args, info, imports, workers, in_process, wrappers, engine, ledger)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"imports": imports, "workers": workers, "in_process": in_process,
-                                               "wrappers": wrappers, "engine": engine}, indent=1, default=str))
+                                               "wrappers": wrappers, "engine": engine, "effects": ledger},
+                                              indent=1, default=str))
     return 0
 
 
