@@ -69,11 +69,23 @@ def parse_args(argv=None):
         # from_pretrained: a Llama with 9 tensors per layer (+3); 112 layers = 1011 tensors.
         "load_layers": 12 if quick else 112,
         # the training step
-        "step_config": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=2, vocab_size=128)
+        "step_config": dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
         if quick
-        else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=256),
+        else dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=256,
+        ),
         "batch": (2, 32) if quick else (4, 64),
         # trl's disable/enable cycle is also measured on a deep model: its cost grows with the modules
         "deep_layers": 8 if quick else 32,
@@ -291,7 +303,7 @@ def run_child(argv: list, env: dict, timeout: int = 600) -> dict:
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
         raise RuntimeError(f"benchmark subprocess failed ({result.returncode}): {argv}\n{result.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def time_import(statement: str, before: str = "", env: dict | None = None) -> dict:
@@ -369,8 +381,14 @@ def marginal(runs: list) -> dict:
 
 def measure_workers(args, directory: str, log) -> dict:
     """Load and training step in fresh interpreters: shim on vs SHIM_DISABLE=all (nothing wrapped)."""
-    spec = json.dumps({"directory": directory, "sizes": args.sizes, "loads": max(2, args.rounds // 2),
-                       "steps": args.steps_per_block * 5})
+    spec = json.dumps(
+        {
+            "directory": directory,
+            "sizes": args.sizes,
+            "loads": max(2, args.rounds // 2),
+            "steps": args.steps_per_block * 5,
+        }
+    )
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", spec]
     on, off = interleave(
         lambda: run_child(argv, child_env()),
@@ -456,8 +474,9 @@ def measure_in_process(args, directory: str, log) -> dict:
     out = {}
     log("from_pretrained in process")
     load(directory)  # warm caches
-    on, off = interleave(lambda: timed(lambda: load(directory)), lambda: timed(lambda: off_(lambda: load(directory))),
-                         args.rounds)
+    on, off = interleave(
+        lambda: timed(lambda: load(directory)), lambda: timed(lambda: off_(lambda: load(directory))), args.rounds
+    )
     out["load"] = compare(on, off)
 
     config, shape = args.sizes["step_config"], args.sizes["batch"]
@@ -527,8 +546,18 @@ def shim_layers() -> list[dict]:
                 continue
             handle = find_shim_wrapper(outer, name)
             if handle is not None:
-                layers.append({"patch": name, "spec": target.spec, "parent": parent, "attribute": attribute,
-                               "handle": handle, "inner": handle.__wrapped__, "module": module, "path": target.path})
+                layers.append(
+                    {
+                        "patch": name,
+                        "spec": target.spec,
+                        "parent": parent,
+                        "attribute": attribute,
+                        "handle": handle,
+                        "inner": handle.__wrapped__,
+                        "module": module,
+                        "path": target.path,
+                    }
+                )
     return layers
 
 
@@ -613,8 +642,11 @@ def measure_wrappers(args, directory: str, log) -> dict:
     log("per-wrapper replays")
     rows = []
     for layer in layers:
-        row = {"patch": layer["patch"], "target": layer["spec"],
-               "calls": {w: c for (s, w), c in counts.items() if s == layer["spec"]}}
+        row = {
+            "patch": layer["patch"],
+            "target": layer["spec"],
+            "calls": {w: c for (s, w), c in counts.items() if s == layer["spec"]},
+        }
         if layer["spec"] not in calls:
             row["replay"] = "not called by these workloads"
             rows.append(row)
@@ -733,18 +765,20 @@ def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -
     out = []
     out.append(f"hf-train-shim overhead ({'quick' if args.quick else 'full'} run): shim on / shim off, same run")
     out.append(info)
-    out.append("times are CPU time of the measuring process (time.process_time: robust against other load on a "
-               "shared machine; the work is single-threaded); 'wall ratio' is the same with wall-clock time")
-    out.append("ratio = median of per-round on/off ratios (rounds alternate ABBA); noise = relative IQR of the "
-               "noisier side")
+    out.append(
+        "times are CPU time of the measuring process (time.process_time: robust against other load on a "
+        "shared machine; the work is single-threaded); 'wall ratio' is the same with wall-clock time"
+    )
+    out.append(
+        "ratio = median of per-round on/off ratios (rounds alternate ABBA); noise = relative IQR of the noisier side"
+    )
     out.append("")
 
     m = imports["shim_modules"]
     out.append("1-2. Import, fresh interpreters, bytecode cached (ms); off = SHIM_DISABLE=all, or no shim at all")
     rows = [
         comparison_row("import shim (off: SHIM_DISABLE=all)", imports["shim"], 1e3),
-        comparison_row("import shim, transformers (off: import transformers)", imports["transformers"], 1e3,
-                       "import"),
+        comparison_row("import shim, transformers (off: import transformers)", imports["transformers"], 1e3, "import"),
         comparison_row("  SHIM_DISABLE=all import shim, transformers", imports["transformers_disabled"], 1e3),
     ]
     out.append(table(rows, HEADERS))
@@ -753,21 +787,36 @@ def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -
         ("marginal_applied", "import shim after from transformers import LlamaForCausalLM (patches applied)", None),
     ):
         q = imports[key]["cost"]
-        out.append(f"{label}: {q[1] * 1e3:.1f} ms CPU (IQR {q[0] * 1e3:.1f}-{q[2] * 1e3:.1f}) on top of "
-                   f"{imports[key]['base'] * 1e3:.0f} ms: ratio {imports[key]['ratio']:.3f}"
-                   + (f", target {verdict({'ratio': imports[key]['ratio'], 'ratio_q25': imports[key]['ratio']}, kind)}"
-                      if kind else ""))
-    out.append(f"import shim loads {m['count']} modules; outside the standard library: "
-               f"{', '.join(m['third_party']) or 'none'}; torch/transformers/trl/peft/accelerate/numpy: "
-               f"{', '.join(m['heavy']) or 'none'} (shim from {m['file']})")
-    out.append(f"import shim imports a patch module, wrapt or packaging.specifiers before a target is imported: "
-               f"{', '.join(m['early']) or 'none'}")
+        out.append(
+            f"{label}: {q[1] * 1e3:.1f} ms CPU (IQR {q[0] * 1e3:.1f}-{q[2] * 1e3:.1f}) on top of "
+            f"{imports[key]['base'] * 1e3:.0f} ms: ratio {imports[key]['ratio']:.3f}"
+            + (
+                f", target {verdict({'ratio': imports[key]['ratio'], 'ratio_q25': imports[key]['ratio']}, kind)}"
+                if kind
+                else ""
+            )
+        )
+    out.append(
+        f"import shim loads {m['count']} modules; outside the standard library: "
+        f"{', '.join(m['third_party']) or 'none'}; torch/transformers/trl/peft/accelerate/numpy: "
+        f"{', '.join(m['heavy']) or 'none'} (shim from {m['file']})"
+    )
+    out.append(
+        f"import shim imports a patch module, wrapt or packaging.specifiers before a target is imported: "
+        f"{', '.join(m['early']) or 'none'}"
+    )
     out.append("")
 
-    out.append(f"3-4, 6. Fresh interpreters, shim on vs SHIM_DISABLE=all (nothing wrapped): "
-               f"{workers['applied_on']} patches applied vs {workers['applied_off']}"
-               + (f" ({', '.join(workers['waiting'])} waits for a module these workloads do not import)"
-                  if workers["waiting"] else "") + "; time in ms, memory in MiB")
+    out.append(
+        f"3-4, 6. Fresh interpreters, shim on vs SHIM_DISABLE=all (nothing wrapped): "
+        f"{workers['applied_on']} patches applied vs {workers['applied_off']}"
+        + (
+            f" ({', '.join(workers['waiting'])} waits for a module these workloads do not import)"
+            if workers["waiting"]
+            else ""
+        )
+        + "; time in ms, memory in MiB"
+    )
     labels = {
         "load_s": ("from_pretrained, warm", 1e3, "load"),
         "load_peak_mib": ("  peak RSS of the process, first load", 1, "memory"),
@@ -779,12 +828,19 @@ def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -
         "step_non_reentrant_peak_mib": ("  peak RSS, first two steps", 1, "memory"),
         "step_non_reentrant_peak_delta_mib": ("  peak RSS above start", 1, "memory"),
     }
-    rows = [comparison_row(label, workers[key], scale, kind) for key, (label, scale, kind) in labels.items()
-            if key in workers]
+    rows = [
+        comparison_row(label, workers[key], scale, kind)
+        for key, (label, scale, kind) in labels.items()
+        if key in workers
+    ]
     out.append(table(rows, HEADERS))
-    out.append("(*) a step takes milliseconds and its time scatters by several % between interpreters (memory "
-               "layout) whatever the shim does: the step target is judged in the same process, below")
-    out.append("torch allocator peak: not applicable on CPU (the CPU allocator keeps no statistics); RSS is the measure")
+    out.append(
+        "(*) a step takes milliseconds and its time scatters by several % between interpreters (memory "
+        "layout) whatever the shim does: the step target is judged in the same process, below"
+    )
+    out.append(
+        "torch allocator peak: not applicable on CPU (the CPU allocator keeps no statistics); RSS is the measure"
+    )
     out.append("")
 
     out.append("3-5. Same process, shim on vs shim.disabled() (wrappers in place, inert), identical models; ms")
@@ -802,35 +858,57 @@ def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -
     out.append(table(rows, HEADERS))
     out.append("")
 
-    out.append("Per-wrapper cost, ns/call (timeit, best of 5, replaying a call recorded in the workloads); "
-               "cost = through the layer - around it")
+    out.append(
+        "Per-wrapper cost, ns/call (timeit, best of 5, replaying a call recorded in the workloads); "
+        "cost = through the layer - around it"
+    )
     rows = []
     for row in wrappers["rows"]:
         extra = lambda c: f" ({c * (row['on_ns'] - row['bare_ns']) / 1e3:+.1f} us)" if "on_ns" in row else ""
         calls = ", ".join(f"{w} {c}{extra(c)}" for w, c in row["calls"].items()) or "-"
         if "on_ns" in row:
-            rows.append([row["patch"], row["target"], f"{row['bare_ns']:.0f}", f"{row['on_ns'] - row['bare_ns']:+.0f}",
-                         f"{row['inert_ns'] - row['bare_ns']:+.0f}", calls])
+            rows.append(
+                [
+                    row["patch"],
+                    row["target"],
+                    f"{row['bare_ns']:.0f}",
+                    f"{row['on_ns'] - row['bare_ns']:+.0f}",
+                    f"{row['inert_ns'] - row['bare_ns']:+.0f}",
+                    calls,
+                ]
+            )
         else:
             rows.append([row["patch"], row["target"], "", "", "", f"{calls}: {row['replay']}"])
     headers = ["patch", "target", "call ns", "on +ns", "inert +ns", "calls per workload (cost)"]
     out.append(table(rows, headers, left=(0, 1, 5)))
-    out.append("(a target missing here is not applied on this version; 'step' workloads absent from 'calls' mean "
-               "no shim layer runs during a training step)")
-    rows = [[kind, f"{bare:.0f}", f"{on - bare:+.0f}", f"{off - bare:+.0f}"] for kind, (bare, on, off) in engine.items()]
+    out.append(
+        "(a target missing here is not applied on this version; 'step' workloads absent from 'calls' mean "
+        "no shim layer runs during a training step)"
+    )
+    rows = [
+        [kind, f"{bare:.0f}", f"{on - bare:+.0f}", f"{off - bare:+.0f}"] for kind, (bare, on, off) in engine.items()
+    ]
     out.append("One shim layer with a pass-through wrapper (the engine's floor):")
     out.append(table(rows, ["call", "bare ns", "on +ns", "inert +ns"]))
     counted = ", ".join(f"{name} {count}" for name, count in ledger["counted"].items())
-    out.append(f"Effects ledger: one record costs {ledger['record_ns']:.0f} ns and runs only on a call that changed "
-               f"something (the per-wrapper rows above replay pass-through calls, which never reach it); "
-               f"effects counted by the in-process workloads (load, steps, trl cycles): {counted}")
-    timings = [r for group in (imports, workers, in_process) for r in group.values()
-               if isinstance(r, dict) and "wall_ratio" in r]
+    out.append(
+        f"Effects ledger: one record costs {ledger['record_ns']:.0f} ns and runs only on a call that changed "
+        f"something (the per-wrapper rows above replay pass-through calls, which never reach it); "
+        f"effects counted by the in-process workloads (load, steps, trl cycles): {counted}"
+    )
+    timings = [
+        r
+        for group in (imports, workers, in_process)
+        for r in group.values()
+        if isinstance(r, dict) and "wall_ratio" in r
+    ]
     noise = sorted(r["noise"] for r in timings)
     out.append("")
-    out.append(f"Noise: relative IQR of the timings {noise[0] * 100:.0f}-{noise[-1] * 100:.0f}% "
-               f"(median {statistics.median(noise) * 100:.0f}%); cross-process rows also carry the scatter between "
-               "interpreters (memory layout), which more steps per process do not remove")
+    out.append(
+        f"Noise: relative IQR of the timings {noise[0] * 100:.0f}-{noise[-1] * 100:.0f}% "
+        f"(median {statistics.median(noise) * 100:.0f}%); cross-process rows also carry the scatter between "
+        "interpreters (memory layout), which more steps per process do not remove"
+    )
     return "\n".join(out)
 
 
@@ -883,9 +961,20 @@ def main(argv=None) -> int:
     text = report(args, info, imports, workers, in_process, wrappers, engine, ledger)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"imports": imports, "workers": workers, "in_process": in_process,
-                                               "wrappers": wrappers, "engine": engine, "effects": ledger},
-                                              indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "imports": imports,
+                    "workers": workers,
+                    "in_process": in_process,
+                    "wrappers": wrappers,
+                    "engine": engine,
+                    "effects": ledger,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 

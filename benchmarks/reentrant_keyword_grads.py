@@ -40,11 +40,11 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import shim  # noqa: E402  (first, as a user would)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
 
+import shim  # noqa: E402  (first, as a user would)
 from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 from shim.selfcheck import quiet_transformers, tiny_llama_config  # noqa: E402
 
@@ -203,8 +203,10 @@ def main() -> None:
         p = statistics.median(peaks[mode])
         print(f"{mode:<16} {t * 1e3:>10.1f} {t / base_time:>10.2f} {p / 1024:>11.1f} {p / base_peak:>10.2f}")
     for label, (with_shim, without) in per_call_cost().items():
-        print(f"layer call ({label}): {with_shim:.2f} µs with the shim layer, {without:.2f} µs without "
-              f"(+{with_shim - without:.2f} µs)")
+        print(
+            f"layer call ({label}): {with_shim:.2f} µs with the shim layer, {without:.2f} µs without "
+            f"(+{with_shim - without:.2f} µs)"
+        )
 
 
 if __name__ == "__main__":

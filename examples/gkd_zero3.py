@@ -1,5 +1,3 @@
-import shim  # the only change to trl's GKD example: fixes known bugs of the installed stack
-
 # On-policy distillation (trl's GKDTrainer) of a LoRA student under DeepSpeed ZeRO-3, on CPU.
 #
 #     torchrun --nproc_per_node 2 examples/gkd_zero3.py
@@ -15,7 +13,6 @@ import shim  # the only change to trl's GKD example: fixes known bugs of the ins
 # The code follows trl's GKD documentation (GKDConfig / GKDTrainer with a "messages" dataset);
 # the models and the tokenizer are tiny and built in code so that it runs offline in seconds.
 # Tested with deepspeed 0.19.2, trl 1.15.0, transformers 5.24.0, peft 0.21.2 (constraints/e2e.txt).
-
 import argparse
 import functools
 import json
@@ -27,6 +24,8 @@ from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, TrainerCallback
 from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+import shim  # the only change to trl's GKD example: fixes known bugs of the installed stack
 
 CHECKPOINTING_KWARGS = {"use_reentrant": True}
 

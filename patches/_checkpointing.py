@@ -81,7 +81,7 @@ class _Layout:
 
 
 # model -> its _Layout; weak, and holding only submodules and their dicts, never the model.
-_layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _scan(model) -> _Layout:
@@ -212,7 +212,7 @@ def method(model, names: tuple[str, str]):
     raise AttributeError(f"{type(model).__name__} has neither {names[0]} nor {names[1]}")
 
 
-_accepts_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_accepts_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _parameters(function):
@@ -287,7 +287,10 @@ def enable(model, checkpoint_kwargs) -> None:
     else:
         log.warning(
             "%s.%s() takes no %s; re-enabled checkpointing without %r",
-            type(model).__name__, name, keyword, checkpoint_kwargs,
+            type(model).__name__,
+            name,
+            keyword,
+            checkpoint_kwargs,
         )
         bound()
 

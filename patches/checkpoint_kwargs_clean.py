@@ -62,7 +62,10 @@ def _cleaning_enable(kwargs_name: str):
                 log.warning(
                     "checkpoint-kwargs-clean: transformers %s has no %s parameter; dropped %s=%r from the "
                     "checkpointing kwargs instead of passing it to torch.utils.checkpoint",
-                    getattr(sys.modules.get("transformers"), "__version__", "?"), name, name, value,
+                    getattr(sys.modules.get("transformers"), "__version__", "?"),
+                    name,
+                    name,
+                    value,
                 )
         return wrapped(**call)
 

@@ -203,7 +203,9 @@ PATCH = Patch(
     distribution="transformers",
     requires=">=4.57",
     targets=(
-        Target("trl.models.utils:disable_gradient_checkpointing", _trl_disable_gradient_checkpointing, requires="trl>=0.26"),
+        Target(
+            "trl.models.utils:disable_gradient_checkpointing", _trl_disable_gradient_checkpointing, requires="trl>=0.26"
+        ),
         Target(
             "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable",
             _activation_checkpointing_enable,

@@ -34,7 +34,7 @@ from ._checkpointing import MISSING, capture, configured_kwargs, forget_layout, 
 
 NAME = "checkpointing-restore"
 # model -> capture() at its last disable; weak, so a captured model can still be freed.
-_captured: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_captured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _set_gradient_checkpointing(wrapped, instance, args, kwargs):

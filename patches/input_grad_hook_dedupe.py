@@ -69,7 +69,9 @@ PATCH = Patch(
     summary="At most one input-require-grads hook on the embeddings across checkpointing cycles.",
     distribution="transformers",
     requires=">=5.0",
-    targets=(Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),),
+    targets=(
+        Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),
+    ),
     references=("docs/bugs.md#input-grad-hook-dedupe",),
     self_check=_self_check,
 )

@@ -29,7 +29,7 @@ from ._arguments import argument, leading_parameters
 
 NAME = "load-keeps-requires-grad"
 # model -> parameters kept frozen in it so far (weak: the ledger must not keep a model alive).
-_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # class -> names of its attributes: a submodule name that is also one of them is resolved by

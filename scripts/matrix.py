@@ -117,8 +117,8 @@ for name in shim.registry.names:
                         admitted=decision.admitted and any(t["admitted"] for t in targets),
                         patch_admitted=decision.admitted, targets=targets,
                         has_self_check=patch.self_check is not None))
-print(json.dumps(dict(versions={d: version(d) for d in %r}, patches=patches)))
-""" % (DISTRIBUTIONS,)
+print(json.dumps(dict(versions={d: version(d) for d in __DISTRIBUTIONS__}, patches=patches)))
+""".replace("__DISTRIBUTIONS__", repr(DISTRIBUTIONS))
 
 
 def clean_env(cell: Cell) -> dict:
@@ -149,13 +149,19 @@ def seed_torch(cell: Cell, log) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(TORCH_SEED)], check=True, stdout=log, stderr=log)
     source = next((TORCH_SEED / "lib").glob("python3*/site-packages"))
     if not any(source.glob("torch-2.13.0*.dist-info")):  # also repairs an interrupted seed install
-        subprocess.run([str(TORCH_SEED / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0"],
-                       check=True, stdout=log, stderr=log)
+        subprocess.run(
+            [str(TORCH_SEED / "bin" / "python"), "-m", "pip", "install", "-q", "torch==2.13.0"],
+            check=True,
+            stdout=log,
+            stderr=log,
+        )
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=log, stderr=log)
     target = next((venv / "lib").glob("python3*/site-packages"))
     # Metadata last: if this is interrupted, pip finds no torch dist-info and installs it over the files.
     for entry in sorted(source.iterdir(), key=lambda e: e.name.endswith(".dist-info")):
-        if (target / entry.name).exists() or entry.name.startswith(("pip", "setuptools", "_distutils_hack", "distutils-")):
+        if (target / entry.name).exists() or entry.name.startswith(
+            ("pip", "setuptools", "_distutils_hack", "distutils-")
+        ):
             continue
         if entry.is_dir():
             shutil.copytree(entry, target / entry.name, copy_function=os.link)
@@ -171,8 +177,9 @@ def build(cell: Cell, out: Path) -> bool:
             log.write(f"torch seeding failed, setup.sh installs torch itself: {exc!r}\n")
         log.flush()
         env = clean_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
-        result = subprocess.run(["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        result = subprocess.run(
+            ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     lines = (out / "setup.log").read_text().splitlines()
     if result.returncode:
         say("\n".join(lines[-25:]))
@@ -185,8 +192,9 @@ def build(cell: Cell, out: Path) -> bool:
 def run_suite(cell: Cell, out: Path) -> bool:
     command = [str(cell.python), "-m", "pytest", "-q"]
     with open(out / "pytest.log", "w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, env=clean_env(cell), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=clean_env(cell), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for line in process.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -202,8 +210,9 @@ def run_doctor(cell: Cell, out: Path) -> bool:
         return False
     (out / "cell.json").write_text(probe.stdout)
     # One doctor run (the self-checks are the slow part); its table is printed and saved from the JSON.
-    found = subprocess.run([str(cell.python), "-m", "shim", "doctor", "--json"], cwd=ROOT, env=env,
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        [str(cell.python), "-m", "shim", "doctor", "--json"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     try:
         findings = json.loads(found.stdout)
     except ValueError:
@@ -222,12 +231,17 @@ def run_doctor(cell: Cell, out: Path) -> bool:
 def doctor_table(findings: list[dict]) -> str:
     """The table ``python -m shim doctor`` prints, with the detail of anything not plainly fine."""
     header = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
-    rows = [[f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings]
+    rows = [
+        [f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings
+    ]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"{f['name']}: {f['verdict']}: {f['detail']}" for f in findings
-              if f["verdict"] not in ("fixed", "not affected", "not installed")]
+    lines += [
+        f"{f['name']}: {f['verdict']}: {f['detail']}"
+        for f in findings
+        if f["verdict"] not in ("fixed", "not affected", "not installed")
+    ]
     return "\n".join(lines)
 
 
@@ -252,8 +266,12 @@ def run_cell(cell: Cell, skip_suite: str = "") -> dict:
     suite = "doctor only" if not cell.suite else skip_suite
     record = dict(cell=cell.name, ok=ok, times=times, note=suite)
     (out / "times.json").write_text(json.dumps(record))
-    say(f"--- {cell.name}: {'ok' if ok else 'FAILED'}; " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
-        + f", total {sum(times.values()):.0f}s" + (f" ({suite})" if suite else ""))
+    say(
+        f"--- {cell.name}: {'ok' if ok else 'FAILED'}; "
+        + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
+        + f", total {sum(times.values()):.0f}s"
+        + (f" ({suite})" if suite else "")
+    )
     return record
 
 
@@ -267,8 +285,11 @@ def normalized(name: str) -> str:
 def top_pins(cell: Cell) -> tuple[str, set]:
     """The constraints file above the lock marker, and the names it pins."""
     top = cell.constraints.read_text().split(LOCK_MARKER)[0].rstrip("\n") + "\n"
-    pinned = {normalized(re.split(r"[=<>!~ ]", line, maxsplit=1)[0]) for line in top.splitlines()
-              if line.strip() and not line.startswith("#")}
+    pinned = {
+        normalized(re.split(r"[=<>!~ ]", line, maxsplit=1)[0])
+        for line in top.splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     return top, pinned
 
 
@@ -280,8 +301,12 @@ def lock(cell: Cell) -> None:
         constraints.write_text(top)
         env = clean_env(cell) | {"SHIM_VENV": str(Path(tmp) / "venv")}
         subprocess.run(["bash", "scripts/setup.sh", str(constraints)], cwd=ROOT, env=env, check=True)
-        freeze = subprocess.run([str(Path(tmp) / "venv" / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable"],
-                                check=True, capture_output=True, text=True).stdout
+        freeze = subprocess.run(
+            [str(Path(tmp) / "venv" / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     write_lock(cell, top, pinned, freeze)
 
 
@@ -291,8 +316,10 @@ def write_lock(cell: Cell, top: str, pinned: set, freeze: str) -> None:
         key=str.lower,
     )
     cell.constraints.write_text(
-        top + f"{LOCK_MARKER}: the rest of the cell, written by `python3 scripts/matrix.py --lock {cell.name}` ---\n"
-        + "\n".join(locked) + "\n"
+        top
+        + f"{LOCK_MARKER}: the rest of the cell, written by `python3 scripts/matrix.py --lock {cell.name}` ---\n"
+        + "\n".join(locked)
+        + "\n"
     )
     say(f"{cell.constraints.relative_to(ROOT)}: {len(locked)} transitive pins written")
 
@@ -411,7 +438,9 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                 spec += f" (targets: {', '.join(own)})"
             shown = f"{gate['distribution']} {gate['installed']}"
             if not gate["has_self_check"]:
-                problems.add(cell_name, f"{where}: the patch has no self_check, so the matrix cannot prove its gate {spec}")
+                problems.add(
+                    cell_name, f"{where}: the patch has no self_check, so the matrix cannot prove its gate {spec}"
+                )
                 continue
             cells_seen.append((cell_name, gate, verdict))
             if (name, cell_name) in known:
@@ -419,7 +448,10 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                 if gate["admitted"]:
                     problems.add(cell_name, f"{where}: listed in {KNOWN_UNFIXED.name} but {shown} is inside {spec}")
                 elif verdict != "NOT FIXED":
-                    problems.add(cell_name, f"{where}: listed in {KNOWN_UNFIXED.name} but doctor says {verdict!r}: remove the line")
+                    problems.add(
+                        cell_name,
+                        f"{where}: listed in {KNOWN_UNFIXED.name} but doctor says {verdict!r}: remove the line",
+                    )
                 continue
             if gate["admitted"]:
                 if verdict == "fixed":
@@ -429,36 +461,50 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                     "not affected": "the gate is too wide or the patch cannot apply: the bug does not reproduce here",
                     "NOT FIXED": "the patch does not fix the bug here",
                 }.get(verdict, "doctor could not prove the fix")
-                problems.add(cell_name, f"{where}: {shown} is inside {spec} but doctor says {verdict!r}: {why} ({finding['detail']})")
+                problems.add(
+                    cell_name,
+                    f"{where}: {shown} is inside {spec} but doctor says {verdict!r}: {why} ({finding['detail']})",
+                )
             elif verdict == "NOT FIXED":
                 problems.add(
                     cell_name,
                     f"{where}: {shown} is outside {spec} but the bug reproduces: widen the gate, or list "
-                    f"'{name} {cell_name} <why the patch is skipped here>' in constraints/{KNOWN_UNFIXED.name}"
+                    f"'{name} {cell_name} <why the patch is skipped here>' in constraints/{KNOWN_UNFIXED.name}",
                 )
             elif verdict not in ("not affected", "not installed"):
-                problems.add(cell_name, f"{where}: {shown} is outside {spec}; doctor says {verdict!r} ({finding['detail']})")
+                problems.add(
+                    cell_name, f"{where}: {shown} is outside {spec}; doctor says {verdict!r} ({finding['detail']})"
+                )
         # Edges: the first and last release line inside every gate must be measured, where the
         # matrix reaches past them.
         if not cells_seen:
             continue
         gates = sorted({json.dumps(gates_of(g)) for _, g, _ in cells_seen})
         if len(gates) > 1:
-            problems.add(None, f"{name}: the cells' reports disagree on the gate ({' / '.join(gates)}): stale reports, rerun every cell")
+            problems.add(
+                None,
+                f"{name}: the cells' reports disagree on the gate ({' / '.join(gates)}): stale reports, rerun every cell",
+            )
             continue
         distribution, requires = cells_seen[0][1]["distribution"], cells_seen[0][1]["requires"]
         for gate_distribution, specifier, whose in gates_of(cells_seen[0][1]):
-            measured = sorted({v for _, g, _ in cells_seen if (v := measured_version(g, gate_distribution))}, key=version_key)
+            measured = sorted(
+                {v for _, g, _ in cells_seen if (v := measured_version(g, gate_distribution))}, key=version_key
+            )
             for wanted in missing_edges(specifier, measured):
                 problems.add(
                     None,
                     f"{name}: {whose} gate {gate_distribution}{specifier} needs a cell on {gate_distribution} {wanted}; "
                     f"cells have {', '.join(measured)}: add an edge cell to scripts/matrix.py",
                 )
-        inside = sorted(((g["gated_as"], c) for c, g, _ in cells_seen if g["admitted"]), key=lambda x: version_key(x[0]))
+        inside = sorted(
+            ((g["gated_as"], c) for c, g, _ in cells_seen if g["admitted"]), key=lambda x: version_key(x[0])
+        )
         if inside:
-            notes.append(f"{name} ({distribution}{requires}): first cell inside {inside[0][0]} ({inside[0][1]}), "
-                         f"last {inside[-1][0]} ({inside[-1][1]})")
+            notes.append(
+                f"{name} ({distribution}{requires}): first cell inside {inside[0][0]} ({inside[0][1]}), "
+                f"last {inside[-1][0]} ({inside[-1][1]})"
+            )
         else:
             notes.append(f"{name} ({distribution}{requires}): no cell inside the gate")
     for patch, cell in sorted(set(known) - used):
@@ -481,8 +527,10 @@ def cell_text(gate: dict, finding: dict, known: dict, cell: str) -> str:
 
 
 def render(reports: dict) -> str:
-    order = sorted(reports, key=lambda c: (version_key(reports[c]["versions"]["transformers"]),
-                                           version_key(reports[c]["versions"]["trl"])))
+    order = sorted(
+        reports,
+        key=lambda c: (version_key(reports[c]["versions"]["transformers"]), version_key(reports[c]["versions"]["trl"])),
+    )
     known = known_unfixed()
     lines = [
         "Measured by `python -m shim doctor` in each cell of the matrix (`python3 scripts/matrix.py`):",
@@ -493,10 +541,11 @@ def render(reports: dict) -> str:
     for cell in order:
         v = reports[cell]["versions"]
         runs = "suite + doctor" if BY_NAME.get(cell, Cell(cell)).suite else "doctor (gate edge)"
-        lines.append(f"| `{cell}` | {v['transformers']} | {v['trl']} | {v['peft'] or '-'} | "
-                     f"{v['accelerate'] or '-'} | {v['torch']} | {runs} |")
-    lines += ["", "| patch | gate | " + " | ".join(f"`{c}`" for c in order) + " |",
-              "|---|---|" + "---|" * len(order)]
+        lines.append(
+            f"| `{cell}` | {v['transformers']} | {v['trl']} | {v['peft'] or '-'} | "
+            f"{v['accelerate'] or '-'} | {v['torch']} | {runs} |"
+        )
+    lines += ["", "| patch | gate | " + " | ".join(f"`{c}`" for c in order) + " |", "|---|---|" + "---|" * len(order)]
     names = list(dict.fromkeys(p["name"] for c in order for p in reports[c]["patches"]))
     for name in names:
         row, gate_text = [], ""
@@ -540,9 +589,16 @@ def write_readme(table: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cells", nargs="*", help=f"cells to run (default: all): {', '.join(BY_NAME)}")
-    parser.add_argument("--skip-suite", action="append", default=[], metavar="CELL",
-                        help="run doctor but not the suite in CELL (CI: the first line ran the default suite)")
-    parser.add_argument("--doctor-only", action="store_true", help="run doctor but no suite in every cell (a quick gate check)")
+    parser.add_argument(
+        "--skip-suite",
+        action="append",
+        default=[],
+        metavar="CELL",
+        help="run doctor but not the suite in CELL (CI: the first line ran the default suite)",
+    )
+    parser.add_argument(
+        "--doctor-only", action="store_true", help="run doctor but no suite in every cell (a quick gate check)"
+    )
     parser.add_argument("--report-only", action="store_true", help="run nothing; check doctor-reports/")
     parser.add_argument("--write-readme", action="store_true", help="rewrite the README table instead of checking it")
     parser.add_argument("--lock", metavar="CELL", help="re-resolve CELL's top pins and write its full pins")
@@ -559,7 +615,13 @@ def main(argv=None) -> int:
     if not args.report_only:
         started = time.monotonic()
         for cell in selected:
-            skip = "doctor only" if args.doctor_only else "suite not run here (--skip-suite)" if cell.name in args.skip_suite else ""
+            skip = (
+                "doctor only"
+                if args.doctor_only
+                else "suite not run here (--skip-suite)"
+                if cell.name in args.skip_suite
+                else ""
+            )
             records.append(run_cell(cell, skip))
         total = time.monotonic() - started
 
@@ -589,17 +651,27 @@ def main(argv=None) -> int:
         if readme_ok:
             say("\nREADME compatibility table matches what doctor measured")
         else:
-            say("\nFAIL README compatibility table differs from what doctor measured "
-                "(python3 scripts/matrix.py --report-only --write-readme rewrites it):")
-            say("\n".join(difflib.unified_diff((current or "").splitlines(), table.splitlines(), "README.md", "measured", lineterm="")))
+            say(
+                "\nFAIL README compatibility table differs from what doctor measured "
+                "(python3 scripts/matrix.py --report-only --write-readme rewrites it):"
+            )
+            say(
+                "\n".join(
+                    difflib.unified_diff(
+                        (current or "").splitlines(), table.splitlines(), "README.md", "measured", lineterm=""
+                    )
+                )
+            )
 
     if records:
         say("\n=== cell times (seconds)")
         say(f"  {'cell':<16} {'setup':>6} {'suite':>6} {'doctor':>7} {'total':>6}  result")
         for r in records:
             t = r["times"]
-            say(f"  {r['cell']:<16} {t.get('setup', 0):>6.0f} {t.get('suite', 0):>6.0f} {t.get('doctor', 0):>7.0f} "
-                f"{sum(t.values()):>6.0f}  {'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}")
+            say(
+                f"  {r['cell']:<16} {t.get('setup', 0):>6.0f} {t.get('suite', 0):>6.0f} {t.get('doctor', 0):>7.0f} "
+                f"{sum(t.values()):>6.0f}  {'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}"
+            )
         say(f"  matrix wall time {total:.0f}s")
     bad = bool(failed_cells or problems or not readme_ok)
     if records:

@@ -41,7 +41,7 @@ class Listing:
 def builtin() -> list[Listing]:
     """Every built-in patch, in the index's order; none (with a warning) if the catalogue is missing."""
     try:
-        from . import patches
+        patches = importlib.import_module(f"{__package__}.patches")
     except ImportError as exc:
         warn_once(
             f"hf-train-shim's catalogue shim.patches cannot be imported ({exc}), so no built-in patch is "

@@ -7,7 +7,9 @@ import importlib
 import json
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Optional, Sequence
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .records import PatchStatus
@@ -117,7 +119,7 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
     return "\n".join(out)
 
 
-def _status(args: argparse.Namespace, shim) -> int:
+def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.import_targets:
         for name in shim.registry.names:
             for module_name in shim.registry.patch(name).modules:
@@ -133,7 +135,7 @@ def _status(args: argparse.Namespace, shim) -> int:
     return 0
 
 
-def _doctor(args: argparse.Namespace, shim) -> int:
+def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import doctor
     from .records import table
     from .selfcheck import quiet_transformers
@@ -156,7 +158,7 @@ def _doctor(args: argparse.Namespace, shim) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(arg in ("status", "doctor", "-h", "--help") for arg in argv[:1]):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json

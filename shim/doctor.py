@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 from . import versions
 from .registry import APPLIED, DISABLED, Registry
@@ -36,7 +37,7 @@ class Finding:
     verdict: str
     detail: str
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 

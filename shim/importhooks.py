@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 Hook = Callable[[Any], None]
 
@@ -32,7 +33,7 @@ _lock = threading.Lock()
 _hooks: dict[str, list[Hook]] = {}  # module name -> hooks waiting for it to finish executing
 _unfinished: set[str] = set()  # names with hooks whose module another loader is still executing
 _resolving = threading.local()  # names this thread is resolving (another finder may call back)
-_finder: Optional[_Finder] = None
+_finder: _Finder | None = None
 
 
 def when_imported(name: str, hook: Hook) -> None:
@@ -66,7 +67,7 @@ def _executing(module: Any) -> bool:
 
 def _fire(module: Any) -> None:
     with _lock:
-        hooks = _hooks.pop(getattr(module, "__name__", None), ())
+        hooks = _hooks.pop(str(getattr(module, "__name__", "")), [])
     for hook in hooks:
         hook(module)
 

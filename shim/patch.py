@@ -7,13 +7,14 @@ apply it; nothing in this module touches the target libraries.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
-Wrapper = Callable[[Callable, object, tuple, dict], object]
+Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
@@ -55,8 +56,8 @@ class Target:
     spec: str
     wrapper: Wrapper
     requires: str = ""
-    probe: Optional[Callable[[object], Optional[str]]] = None
-    requirement: Optional[TargetRequirement] = field(init=False, repr=False, compare=False, default=None)
+    probe: Callable[[object], str | None] | None = None
+    requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not _TARGET.match(self.spec):
@@ -65,7 +66,9 @@ class Target:
             try:
                 object.__setattr__(self, "requirement", TargetRequirement(self.requires))
             except ValueError as exc:
-                raise ValueError(f"target {self.spec!r}: {self.requires!r} is not a requirement like 'trl>=0.26'") from exc
+                raise ValueError(
+                    f"target {self.spec!r}: {self.requires!r} is not a requirement like 'trl>=0.26'"
+                ) from exc
 
     @property
     def module(self) -> str:
@@ -94,7 +97,7 @@ class Patch:
     requires: str
     targets: tuple[Target, ...]
     references: tuple[str, ...] = ()
-    self_check: Optional[Callable[[], bool]] = None
+    self_check: Callable[[], bool] | None = None
     consumers: tuple[str, ...] = ()
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
@@ -117,6 +120,6 @@ class Patch:
     def requirement(self) -> str:
         return f"{self.distribution}{self.requires}"
 
-    def load(self) -> "Patch":
+    def load(self) -> Patch:
         """A patch is its own declaration (the catalogue's listings load theirs from a module)."""
         return self

@@ -7,8 +7,9 @@ report), never by ``import shim`` itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
 
@@ -26,7 +27,7 @@ class PatchStatus:
     reason: str
     targets: tuple[str, ...]
     requires: str
-    installed: Optional[str]
+    installed: str | None
     summary: str = ""
     references: tuple[str, ...] = ()
     effects: int = 0
@@ -50,7 +51,7 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequen
     return "\n".join(lines)
 
 
-def rank() -> Optional[str]:
+def rank() -> str | None:
     """The process's rank under torchrun, accelerate or deepspeed (``RANK``), if any."""
     return os.environ.get("RANK") or None
 

@@ -13,7 +13,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import effects, importhooks, settings
 from .errors import PatchError
@@ -63,12 +64,12 @@ class _Entry:
         "rebound", "hooked", "done_modules", "gate", "notes", "applied_reason", "settled",
     )  # fmt: skip
 
-    def __init__(self, declared: "Declared", active: bool) -> None:
+    def __init__(self, declared: Declared, active: bool) -> None:
         self.declared = declared
-        self.patch: Optional[Patch] = None  # loaded on the first target import (or a status)
+        self.patch: Patch | None = None  # loaded on the first target import (or a status)
         self.switch = Switch()
         self.state, self.reason = PENDING, "not activated"
-        self.installed: Optional[str] = None
+        self.installed: str | None = None
         self.active = active  # activate()/enable() vs deactivate()
         self.explicit = False  # switched on with enable(): wins over SHIM_DISABLE, until disable()
         # (module object, attribute path, wrapper handle, original) for each target we wrapped or adopted
@@ -76,7 +77,7 @@ class _Entry:
         self.rebound: list[tuple[Any, str, Any, Any]] = []
         self.hooked: set[str] = set()
         self.done_modules: set[str] = set()
-        self.gate: Optional[GateDecision] = None
+        self.gate: GateDecision | None = None
         self.notes: list[str] = []
         self.applied_reason = ""
         self.settled = False  # skipped or failed for good (until deactivate/activate)
@@ -85,7 +86,7 @@ class _Entry:
 class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
-    def __init__(self, patches: Sequence["Declared"] = ()) -> None:
+    def __init__(self, patches: Sequence[Declared] = ()) -> None:
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._active = False
@@ -94,12 +95,12 @@ class Registry:
 
     # -- declaring ------------------------------------------------------------------------------
 
-    def register(self, patch: "Declared") -> "Declared":
+    def register(self, patch: Declared) -> Declared:
         """Add ``patch``; if the registry is active it is applied now or on its targets' import."""
         with self._lock:
             existing = self._entries.get(patch.name)
             if existing is not None:
-                if existing.declared is patch or self._load(existing) == patch:
+                if existing.declared is patch or self._load(existing) == patch.load():
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
             self._entries[patch.name] = _Entry(patch, active=self._active)
@@ -229,7 +230,7 @@ class Registry:
         if entry.switch.suspended and state in (APPLIED, PENDING):
             state, reason = DISABLED, SUSPENDED_REASON
         try:
-            patch: Optional[Patch] = self._load(entry)
+            patch: Patch | None = self._load(entry)
         except Exception as exc:  # reported, never raised: a status must always come back
             patch, reason = None, f"{reason}; the patch module cannot be imported: {exc!r}"
         return PatchStatus(
@@ -281,7 +282,13 @@ class Registry:
         except Exception:  # pragma: no cover - defensive: _try_apply already records failures
             log.exception("%s: unexpected error in the post-import hook; the patch is not applied", name)
 
-    def _try_apply(self, name: str, finished: Optional[str] = None) -> None:
+    def _hook(self, name: str) -> importhooks.Hook:
+        def hook(module: object) -> None:
+            self._on_import(name, module)
+
+        return hook
+
+    def _try_apply(self, name: str, finished: str | None = None) -> None:
         waiting: tuple[str, ...] = ()
         with self._lock:
             entry = self._entries[name]
@@ -305,7 +312,7 @@ class Registry:
         for module_name in waiting:
             if module_name not in entry.hooked:
                 entry.hooked.add(module_name)
-                importhooks.when_imported(module_name, lambda module, n=name: self._on_import(n, module))
+                importhooks.when_imported(module_name, self._hook(name))
 
     def _settle_state(self, entry: _Entry, waiting: tuple[str, ...]) -> None:
         later = f"applies when {', '.join(waiting)} is imported" if waiting else ""
@@ -323,7 +330,7 @@ class Registry:
         self._set(entry, state, reason)
         return reason
 
-    def _apply_modules(self, entry: _Entry, module_names: list[str], forced: bool) -> Optional[str]:
+    def _apply_modules(self, entry: _Entry, module_names: list[str], forced: bool) -> str | None:
         """Load, gate, probe and wrap the targets in ``module_names``; returns a problem for strict mode."""
         from . import versions, wrapping
 

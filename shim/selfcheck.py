@@ -5,6 +5,8 @@ Imports torch and transformers only inside functions: importing this module cost
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def quiet_transformers() -> None:
     """Silence transformers' progress bars and info logs for a readable doctor report (if it is there)."""
@@ -17,7 +19,7 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def tiny_llama_config(**overrides):
+def tiny_llama_config(**overrides: Any) -> Any:
     """A Llama config small enough to build, save and load in milliseconds on CPU."""
     from transformers import LlamaConfig
 

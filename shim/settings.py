@@ -12,7 +12,8 @@ import os
 import re
 import sys
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
+from types import FrameType
 
 from .errors import ShimWarning
 
@@ -38,7 +39,7 @@ def _user_stacklevel() -> int:
     Frames are counted the way :func:`warnings.warn` counts them: it skips importlib's
     ``_bootstrap`` frames by itself.
     """
-    frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
+    frame: FrameType | None = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename

@@ -12,13 +12,13 @@ import functools
 import importlib.metadata
 import importlib.util
 import sys
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 
-def installed_version(distribution: str) -> Optional[str]:
+def installed_version(distribution: str) -> str | None:
     """The version of ``distribution``: its imported module's ``__version__``, else its metadata.
 
     A distribution whose module cannot be found counts as not installed, metadata or not (a
@@ -41,7 +41,7 @@ def installed_version(distribution: str) -> Optional[str]:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def specifier_set(text: str) -> SpecifierSet:
     """``text`` parsed as a PEP 440 specifier set, once per text."""
     return SpecifierSet(text)
@@ -49,8 +49,8 @@ def specifier_set(text: str) -> SpecifierSet:
 
 class GateDecision(NamedTuple):
     admitted: bool
-    installed: Optional[str]
-    gated_as: Optional[str]
+    installed: str | None
+    gated_as: str | None
     reason: str
 
 

@@ -8,7 +8,8 @@ shim's module state: a reloaded ``shim`` or a second registry finds the layer al
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import wrapt
 
@@ -27,36 +28,38 @@ def resolve(module: object, path: str) -> object:
     return wrapt.resolve_path(module, path)[2]
 
 
-def patch_name_of(entry: object) -> Optional[str]:
+def patch_name_of(entry: object) -> str | None:
     """The patch name stored on ``entry`` if it is a shim wrapper (never looked up through proxies)."""
     try:
-        return object.__getattribute__(entry, _PATCH_ATTRIBUTE)
+        name = object.__getattribute__(entry, _PATCH_ATTRIBUTE)
     except (AttributeError, TypeError):
         return None
+    return name if isinstance(name, str) else None
 
 
-def find_shim_wrapper(obj: object, name: str):
+def find_shim_wrapper(obj: object, name: str) -> Any:
     """Our wrapper for patch ``name`` anywhere in ``obj``'s wrapper chain, or ``None``."""
     return wrapt.find_wrapper(obj, predicate=lambda entry: patch_name_of(entry) == name)
 
 
 def switch_of(wrapper: object) -> Switch:
-    return object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
+    switch: Switch = object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
+    return switch
 
 
-def install(module: object, path: str, name: str, wrapper: Callable, switch: Switch):
+def install(module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch) -> Any:
     """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle."""
 
-    def factory(original):
+    def factory(original: Any) -> Any:
         layer = wrapt.FunctionWrapper(original, wrapper, enabled=switch)
         setattr(layer, _PATCH_ATTRIBUTE, name)
         setattr(layer, _SWITCH_ATTRIBUTE, switch)
         return layer
 
-    return wrapt.wrap_object(module, path, factory)
+    return wrapt.wrap_object(module, path, factory)  # type: ignore[arg-type]  # a factory of one argument
 
 
-def remove(module: object, path: str, handle: object) -> Optional[str]:
+def remove(module: object, path: str, handle: object) -> str | None:
     """Remove our layer only, whatever sits above it; returns a reason when it cannot be removed."""
     try:
         wrapt.unwrap_object(module, path, handle, missing_ok=True)
@@ -67,14 +70,17 @@ def remove(module: object, path: str, handle: object) -> Optional[str]:
     return None
 
 
-def rebind(patterns: tuple[str, ...], original: object, replacement: object):
+def rebind(
+    patterns: tuple[str, ...], original: object, replacement: object
+) -> tuple[list[tuple[Any, str]], list[tuple[str, str]]]:
     """Point module-level names equal to ``original`` in modules matching ``patterns`` at ``replacement``.
 
     Returns ``(rebound, failed)``: ``(module, attribute)`` pairs, so the rebinding can be undone.
     """
     import fnmatch  # only where a patch names consumers
 
-    rebound, failed = [], []
+    rebound: list[tuple[Any, str]] = []
+    failed: list[tuple[str, str]] = []
     for module_name, module in list(sys.modules.items()):
         if module is None or not any(fnmatch.fnmatchcase(module_name, p) for p in patterns):
             continue
@@ -94,7 +100,7 @@ def rebind(patterns: tuple[str, ...], original: object, replacement: object):
     return rebound, failed
 
 
-def unbind(rebound, replacement: object, original: object) -> None:
+def unbind(rebound: list[tuple[Any, str]], replacement: object, original: object) -> None:
     """Undo :func:`rebind` where the name still points at our replacement."""
     for module, attribute in rebound:
         if getattr(module, attribute, None) is replacement:

@@ -12,7 +12,11 @@ from shim.selfcheck import quiet_transformers, tiny_llama_config
 
 quiet_transformers()
 TRANSFORMERS = Version(transformers.__version__)
-ENABLE = "activation_checkpointing_enable" if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable") else "gradient_checkpointing_enable"
+ENABLE = (
+    "activation_checkpointing_enable"
+    if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    else "gradient_checkpointing_enable"
+)
 DISABLE = ENABLE.replace("enable", "disable")
 
 
@@ -51,7 +55,11 @@ def describe(model) -> dict:
 
 def checkpoint_kwargs(model) -> dict:
     """The kwargs that reach torch.utils.checkpoint from the first checkpointing decoder layer."""
-    layer = next(m for m in model.modules() if getattr(m, "gradient_checkpointing", False) and m is not model and hasattr(m, "mlp"))
+    layer = next(
+        m
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False) and m is not model and hasattr(m, "mlp")
+    )
     return dict(layer._gradient_checkpointing_func.keywords)
 
 

@@ -8,7 +8,15 @@ import torch
 import transformers
 
 import shim
-from tests.checkpointing_cases import TRANSFORMERS, checkpoint_kwargs, configure, layer_flags, quietly, supports, tiny_llama
+from tests.checkpointing_cases import (
+    TRANSFORMERS,
+    checkpoint_kwargs,
+    configure,
+    layer_flags,
+    quietly,
+    supports,
+    tiny_llama,
+)
 from tests.conftest import run_python
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -122,20 +130,28 @@ def override_class(shape: str):
 
         class Legacy(transformers.LlamaForCausalLM):
             def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-                quietly(super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+                quietly(
+                    super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
+                )
 
         return Legacy
     if shape == "keyword-only":
 
         class KeywordOnly(transformers.LlamaForCausalLM):
             def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
-                quietly(super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+                quietly(
+                    super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
+                )
 
         return KeywordOnly
 
     class Forwarding(transformers.LlamaForCausalLM):
         def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
-            quietly(super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+            quietly(
+                super().gradient_checkpointing_enable,
+                gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+                **kwargs,
+            )
 
     return Forwarding
 
@@ -202,7 +218,10 @@ def tiny_config():
 
 
 @needs_new_keywords
-@pytest.mark.skipif(not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"), reason="version rule: activation_checkpointing_enable exists from transformers 5.23")
+@pytest.mark.skipif(
+    not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"),
+    reason="version rule: activation_checkpointing_enable exists from transformers 5.23",
+)
 def test_activation_checkpointing_enable_reaches_a_narrow_override():
     model = override_class("keyword-only")(tiny_config())
     with shim.disabled(), pytest.raises(TypeError, match="every_n_layers"):

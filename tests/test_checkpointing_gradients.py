@@ -30,7 +30,9 @@ def compare(model, reference) -> list:
     return wrong
 
 
-@pytest.mark.parametrize("configured", [{"use_reentrant": True}, {"use_reentrant": False}], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize(
+    "configured", [{"use_reentrant": True}, {"use_reentrant": False}], ids=["reentrant", "non-reentrant"]
+)
 def test_layer_gradients_match_no_checkpointing_after_a_cycle(configured):
     torch.manual_seed(0)
     reference = tiny_llama(attention_dropout=0.0)

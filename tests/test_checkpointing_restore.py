@@ -32,7 +32,9 @@ if HAS_TRL:
     from trl.models.utils import unwrap_model_for_generation
 
     TRL_HAS_DISABLE_CONTEXT = hasattr(importlib.import_module("trl.models.utils"), "disable_gradient_checkpointing")
-    UNWRAP_TAKES_KWARGS = "gradient_checkpointing_kwargs" in __import__("inspect").signature(unwrap_model_for_generation).parameters
+    UNWRAP_TAKES_KWARGS = (
+        "gradient_checkpointing_kwargs" in __import__("inspect").signature(unwrap_model_for_generation).parameters
+    )
 
 # The configured use_reentrant is the opposite of the installed default, so a bare re-enable flips it.
 FLIPPED = {"use_reentrant": TRANSFORMERS.major >= 5}
@@ -107,7 +109,11 @@ def needs_trl(cycle, *, disable_context=False, unwrap_kwargs=False):
     elif disable_context and not TRL_HAS_DISABLE_CONTEXT:
         marks.append(pytest.mark.skip(reason="version rule: disable_gradient_checkpointing exists from trl 0.26"))
     elif unwrap_kwargs and not UNWRAP_TAKES_KWARGS:
-        marks.append(pytest.mark.skip(reason="version rule: unwrap_model_for_generation takes gradient_checkpointing_kwargs from trl 1.16"))
+        marks.append(
+            pytest.mark.skip(
+                reason="version rule: unwrap_model_for_generation takes gradient_checkpointing_kwargs from trl 1.16"
+            )
+        )
     return marks
 
 
@@ -118,7 +124,12 @@ CYCLES = [
     ("trl disable_gradient_checkpointing(None)", trl_disable_context(False) if HAS_TRL else None, False, "ctx"),
     ("trl disable_gradient_checkpointing(kwargs)", trl_disable_context(True) if HAS_TRL else None, True, "ctx"),
     ("trl unwrap_model_for_generation()", trl_unwrap_for_generation(False) if HAS_TRL else None, False, "unwrap"),
-    ("trl unwrap_model_for_generation(kwargs)", trl_unwrap_for_generation(True) if HAS_TRL else None, True, "unwrap-kwargs"),
+    (
+        "trl unwrap_model_for_generation(kwargs)",
+        trl_unwrap_for_generation(True) if HAS_TRL else None,
+        True,
+        "unwrap-kwargs",
+    ),
 ]
 
 
@@ -135,7 +146,7 @@ def cycle_params(losing_only: bool):
             marks = needs_trl(cycle, unwrap_kwargs=True)
         elif cycle is bare_activation_checkpointing and ENABLE == "gradient_checkpointing_enable":
             marks = [pytest.mark.skip(reason="version rule: activation_checkpointing_* exists from transformers 5.23")]
-        for config_name, (kwargs, every_n_layers, offload) in CONFIGS.items():
+        for config_name, (_kwargs, every_n_layers, offload) in CONFIGS.items():
             # Passing the checkpoint kwargs back keeps them; only every_n_layers/offload are lost then.
             loses = not passes_kwargs or every_n_layers != 1 or offload
             if loses != losing_only:
@@ -260,7 +271,9 @@ def test_user_wrapper_that_delegates_to_an_inner_model():
             self.inner = inner
 
         def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-            quietly(self.inner.gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            quietly(
+                self.inner.gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs
+            )
 
         def gradient_checkpointing_disable(self):
             quietly(self.inner.gradient_checkpointing_disable)
@@ -333,7 +346,7 @@ def test_a_layer_replaced_added_or_removed_between_cycles_is_captured_too(change
     else:
         del layers[3]
     configured = describe(model)["model.layers.0"]
-    for index, layer in enumerate(layers):  # the new layer joins the configuration by hand
+    for layer in layers:  # the new layer joins the configuration by hand
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = model.model.layers[0]._gradient_checkpointing_func
     bare_activation_checkpointing(model, None)

@@ -65,5 +65,8 @@ def project_files() -> list[str]:
             str(path.relative_to(ROOT))
             for path in ROOT.rglob("*")
             if path.is_file()
-            and not any(part.startswith(".") or part in skip or part.endswith(".egg-info") for part in path.relative_to(ROOT).parts)
+            and not any(
+                part.startswith(".") or part in skip or part.endswith(".egg-info")
+                for part in path.relative_to(ROOT).parts
+            )
         ]

@@ -64,7 +64,9 @@ def test_checkpointing_restore_counts_restored_configurations_only():
     assert count == 1
     assert last.startswith("LlamaForCausalLM was re-enabled without a configuration: transformers reset it to ")
     modules = sum(1 for module in model.modules() if hasattr(module, "gradient_checkpointing"))
-    assert last.endswith(f"the shim restored {{'use_reentrant': True, 'preserve_rng_state': False}} on {modules} module(s)")
+    assert last.endswith(
+        f"the shim restored {{'use_reentrant': True, 'preserve_rng_state': False}} on {modules} module(s)"
+    )
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="trl is not installed")

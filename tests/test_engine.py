@@ -10,8 +10,20 @@ import types
 import pytest
 import wrapt
 
-from shim import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Patch, PatchError, Registry, ShimWarning, Target
-from shim import settings, versions
+from shim import (
+    APPLIED,
+    DISABLED,
+    FAILED,
+    PENDING,
+    SKIPPED,
+    Patch,
+    PatchError,
+    Registry,
+    ShimWarning,
+    Target,
+    settings,
+    versions,
+)
 from shim.wrapping import patch_name_of
 
 TARGET = """
@@ -259,7 +271,9 @@ def test_outside_the_gate_is_skipped_before_import_even_if_the_target_module_doe
     # Like transformers 4.57, which has no core_model_loading module: the patch must not stay pending.
     pkg = fake_modules(target=TARGET)
     importlib.import_module(pkg)  # the distribution is installed; its target modules are not imported
-    registry = Registry([make_patch(pkg, "nowhere:f", requires=">=2.0", name="gone"), make_patch(pkg, requires=">=2.0")])
+    registry = Registry(
+        [make_patch(pkg, "nowhere:f", requires=">=2.0", name="gone"), make_patch(pkg, requires=">=2.0")]
+    )
     registry.activate()
     assert state(registry, "gone") == (SKIPPED, f"{pkg} 1.2.0 is outside >=2.0")
     assert state(registry) == (SKIPPED, f"{pkg} 1.2.0 is outside >=2.0")
@@ -314,7 +328,9 @@ def test_shim_disable_all(fake_modules, monkeypatch, value):
 def test_shim_disable_list_and_explicit_enable(fake_modules, monkeypatch):
     pkg = fake_modules(target=TARGET)
     monkeypatch.setenv("SHIM_DISABLE", " demo , other")
-    registry = Registry([make_patch(pkg), make_patch(pkg, "target:g", name="other"), make_patch(pkg, "target:g", name="third")])
+    registry = Registry(
+        [make_patch(pkg), make_patch(pkg, "target:g", name="other"), make_patch(pkg, "target:g", name="third")]
+    )
     registry.activate()
     module = importlib.import_module(f"{pkg}.target")
     assert module.f(1) == 1
@@ -337,12 +353,18 @@ def test_unknown_patch_name_warns_once_with_the_closest_names(fake_modules, monk
 @pytest.mark.parametrize(
     "variable, value, expected",
     [
-        ("SHIM_DISABLE", "demo;rm -rf", "'demo;rm -rf' is not a patch name, ignored; SHIM_DISABLE takes 'all' or a comma"),
+        (
+            "SHIM_DISABLE",
+            "demo;rm -rf",
+            "'demo;rm -rf' is not a patch name, ignored; SHIM_DISABLE takes 'all' or a comma",
+        ),
         ("SHIM_STRICT", "maybe", "use one of"),
         ("SHIM_LOG_LEVEL", "LOUD", "use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     ],
 )
-def test_invalid_values_warn_list_the_valid_ones_and_use_the_default(fake_modules, monkeypatch, variable, value, expected):
+def test_invalid_values_warn_list_the_valid_ones_and_use_the_default(
+    fake_modules, monkeypatch, variable, value, expected
+):
     pkg = fake_modules(target=TARGET)
     monkeypatch.setenv(variable, value)
     registry = Registry([make_patch(pkg)])

@@ -63,7 +63,10 @@ def test_import_shim_imports_neither_torch_nor_transformers():
     assert run_python(code).stdout.strip() == "[]"
 
 
-@pytest.mark.skipif(not B1_EXISTS, reason="version rule: the load bug exists from transformers 5.0 (4.x has no core_model_loading to wrap)")
+@pytest.mark.skipif(
+    not B1_EXISTS,
+    reason="version rule: the load bug exists from transformers 5.0 (4.x has no core_model_loading to wrap)",
+)
 def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
     code = """
     import importlib, wrapt, shim

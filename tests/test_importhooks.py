@@ -1,7 +1,6 @@
 """The shim's post-import hooks on throwaway modules: after execution, once, the real loader kept."""
 
 import importlib
-import sys
 import threading
 
 from shim import importhooks
@@ -10,7 +9,9 @@ from shim import importhooks
 def test_a_hook_fires_once_after_the_module_has_executed(fake_modules):
     pkg = fake_modules(target="VALUE = 1\n")
     seen = []
-    importhooks.when_imported(f"{pkg}.target", lambda module: seen.append((module.VALUE, importhooks._executing(module))))
+    importhooks.when_imported(
+        f"{pkg}.target", lambda module: seen.append((module.VALUE, importhooks._executing(module)))
+    )
     assert seen == []
     module = importlib.import_module(f"{pkg}.target")
     # Fired inside the import, after the body ran (importlib clears _initializing only afterwards).

@@ -8,7 +8,8 @@ import tempfile
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from packaging.version import Version
 
 import shim

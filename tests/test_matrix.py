@@ -29,11 +29,35 @@ def report(version, verdict, requires=">=5.0", name="demo", self_check=True):
     gated = version.split("+")[0]
     admitted = tuple(int(x) for x in gated.split(".")) >= tuple(int(x) for x in requires[2:].split("."))
     return {
-        "versions": {"transformers": version, "trl": "1.0.0", "peft": "0.21.2", "accelerate": "1.15.0", "torch": "2.13.0"},
-        "patches": [dict(name=name, distribution="transformers", requires=requires, installed=version,
-                         gated_as=gated, admitted=admitted, has_self_check=self_check)],
-        "findings": {name: dict(name=name, installed=version, state="applied" if admitted else "skipped",
-                                bug_upstream="-", bug_with_shim="-", verdict=verdict, detail="d")},
+        "versions": {
+            "transformers": version,
+            "trl": "1.0.0",
+            "peft": "0.21.2",
+            "accelerate": "1.15.0",
+            "torch": "2.13.0",
+        },
+        "patches": [
+            dict(
+                name=name,
+                distribution="transformers",
+                requires=requires,
+                installed=version,
+                gated_as=gated,
+                admitted=admitted,
+                has_self_check=self_check,
+            )
+        ],
+        "findings": {
+            name: dict(
+                name=name,
+                installed=version,
+                state="applied" if admitted else "skipped",
+                bug_upstream="-",
+                bug_with_shim="-",
+                verdict=verdict,
+                detail="d",
+            )
+        },
     }
 
 
@@ -106,15 +130,30 @@ def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
     def with_target(version, verdict, target_requires, admitted):
         r = report(version, verdict, ">=4.57")
         gate = r["patches"][0]
-        gate["targets"] = [dict(target="trl.models.utils:f", distribution="transformers", requires=target_requires,
-                                gated_as=version, admitted=admitted)]
+        gate["targets"] = [
+            dict(
+                target="trl.models.utils:f",
+                distribution="transformers",
+                requires=target_requires,
+                gated_as=version,
+                admitted=admitted,
+            )
+        ]
         gate["admitted"] = gate["admitted"] and admitted
         return r
 
-    reports = {"a": with_target("4.57.6", "not affected", ">=5.16", False), "b": with_target("5.20.2", "fixed", ">=5.16", True)}
+    reports = {
+        "a": with_target("4.57.6", "not affected", ">=5.16", False),
+        "b": with_target("5.20.2", "fixed", ">=5.16", True),
+    }
     problems, _ = matrix.check(reports)
-    assert [text for cell, text in problems if cell is not None] == []  # outside the target's gate: not affected is right
-    assert any("target trl.models.utils:f gate transformers>=5.16 needs a cell on transformers 5.16.x" in t for t in texts(problems))
+    assert [
+        text for cell, text in problems if cell is not None
+    ] == []  # outside the target's gate: not affected is right
+    assert any(
+        "target trl.models.utils:f gate transformers>=5.16 needs a cell on transformers 5.16.x" in t
+        for t in texts(problems)
+    )
     assert "`transformers>=4.57`; targets `transformers>=5.16`" in matrix.render(reports)
 
 
@@ -147,16 +186,36 @@ def test_every_cell_has_a_constraints_file_pinning_torch_first():
     for cell in matrix.CELLS:
         lines = [line for line in cell.constraints.read_text().splitlines() if line and not line.startswith("#")]
         assert lines[0] == "torch==2.13.0", cell.name
-        assert any(line.startswith("transformers==") for line in lines) and any(line.startswith("trl==") for line in lines)
+        assert any(line.startswith("transformers==") for line in lines) and any(
+            line.startswith("trl==") for line in lines
+        )
 
 
 def test_the_saved_doctor_table_is_the_one_doctor_prints():
     from shim.records import table as _table
 
-    findings = [dict(name="demo", installed="5.0.0", state="applied", bug_upstream="yes", bug_with_shim="no",
-                     verdict="fixed", detail="d"),
-                dict(name="other-patch", installed="4.57.6", state="skipped", bug_upstream="-", bug_with_shim="-",
-                     verdict="check error", detail="ImportError('x')")]
-    rows = [[f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings]
+    findings = [
+        dict(
+            name="demo",
+            installed="5.0.0",
+            state="applied",
+            bug_upstream="yes",
+            bug_with_shim="no",
+            verdict="fixed",
+            detail="d",
+        ),
+        dict(
+            name="other-patch",
+            installed="4.57.6",
+            state="skipped",
+            bug_upstream="-",
+            bug_with_shim="-",
+            verdict="check error",
+            detail="ImportError('x')",
+        ),
+    ]
+    rows = [
+        [f["name"], f["installed"], f["state"], f["bug_upstream"], f["bug_with_shim"], f["verdict"]] for f in findings
+    ]
     expected = _table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"])
     assert matrix.doctor_table(findings) == expected + "\nother-patch: check error: ImportError('x')"

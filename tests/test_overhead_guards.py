@@ -6,8 +6,8 @@ Nothing here is timed; the benchmark measures, these tests keep the faster code 
 import pytest
 import torch
 
-from shim.patches.load_keeps_requires_grad import _submodule
 from shim import Target
+from shim.patches.load_keeps_requires_grad import _submodule
 from tests.conftest import run_python
 
 

@@ -12,12 +12,13 @@ import warnings
 import pytest
 import torch
 import transformers
-from hypothesis import assume, example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
 from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
-import shim.patches.reentrant_keyword_grads as module
 import shim
+import shim.patches.reentrant_keyword_grads as module
 from shim.patches.reentrant_keyword_grads import enable_checkpointing, is_reentrant, keyword_driven_grads, wrong_grads
 from shim.selfcheck import quiet_transformers, tiny_llama_config
 from tests.conftest import run_python
@@ -126,8 +127,13 @@ ENABLERS = [
     ("api-torch-default", {"preserve_rng_state": True}, True),
     ("api-offload-reentrant", ({"use_reentrant": True}, "offload"), True),
     ("own-partial", _enabled_by_other_code(functools.partial(checkpoint, use_reentrant=True)), True),
-    ("own-nested-partial", _enabled_by_other_code(
-        functools.partial(functools.partial(checkpoint, use_reentrant=True), preserve_rng_state=False)), True),
+    (
+        "own-nested-partial",
+        _enabled_by_other_code(
+            functools.partial(functools.partial(checkpoint, use_reentrant=True), preserve_rng_state=False)
+        ),
+        True,
+    ),
     ("own-plain-checkpoint", _enabled_by_other_code(checkpoint), True),
     ("own-closure", _enabled_by_other_code(_closure), True),
     ("own-non-reentrant", _enabled_by_other_code(functools.partial(checkpoint, use_reentrant=False)), False),
@@ -218,7 +224,7 @@ def build(spec):
     }
     order = ("x", "y", "pair", "extra")
     args = tuple(arguments[name] for name in order[: spec["positional"]])
-    kwargs = {name: arguments[name] for name in order[spec["positional"]:]}
+    kwargs = {name: arguments[name] for name in order[spec["positional"] :]}
     kwargs["factor"] = 0.5
     return args, kwargs, leaves
 
@@ -267,11 +273,17 @@ specs = st.fixed_dictionaries(
 
 MEASURED = {  # hidden states by keyword, like the measured Llama case
     "kinds": dict.fromkeys(NAMES, "constant") | {"x": "computed"},
-    "positional": 0, "pair": "tuple", "extra": False, "shared": False,
+    "positional": 0,
+    "pair": "tuple",
+    "extra": False,
+    "shared": False,
 }
 NESTED_ONLY = {  # the only grad-requiring tensor sits in a dict's list, by keyword
     "kinds": dict.fromkeys(NAMES, "constant") | {"v0": "computed"},
-    "positional": 2, "pair": "namedtuple", "extra": True, "shared": False,
+    "positional": 2,
+    "pair": "namedtuple",
+    "extra": True,
+    "shared": False,
 }
 
 

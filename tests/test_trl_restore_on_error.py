@@ -68,7 +68,9 @@ def test_zero3_hooks_removed_for_generation_are_added_back_after_an_error(monkey
     monkeypatch.setattr(trl_utils, "add_hooks", lambda engine: added.append(engine))
     offload = types.SimpleNamespace(forward_hooks=[], _register_deepspeed_module=lambda module: None)
     engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(parameter_offload=offload))
-    accelerator = types.SimpleNamespace(unwrap_model=lambda model: types.SimpleNamespace(is_activation_checkpointing=False))
+    accelerator = types.SimpleNamespace(
+        unwrap_model=lambda model: types.SimpleNamespace(is_activation_checkpointing=False)
+    )
 
     class Failing:
         def __enter__(self):

@@ -1,5 +1,3 @@
-import shim  # noqa: F401  -- first line, as for a user (SHIM_DISABLE=all switches it off)
-
 # One-rank, no-DeepSpeed training run of a real trl trainer (GRPO or DPO) with gradient checkpointing
 # configured, recording what the model's checkpointing modules hold after every optimizer step.
 # Driven by tests/e2e/test_e2e.py in a subprocess:
@@ -7,7 +5,6 @@ import shim  # noqa: F401  -- first line, as for a user (SHIM_DISABLE=all switch
 #     python tests/e2e/single_rank.py {grpo,dpo} LOG_DIR [--max-steps N]
 #
 # The tiny tokenizer, model and the recording callback are the example's (examples/gkd_zero3.py).
-
 import argparse
 import inspect
 import os
@@ -16,6 +13,8 @@ import sys
 import torch
 from datasets import Dataset
 from transformers import PreTrainedModel
+
+import shim  # noqa: F401  -- first line, as for a user (SHIM_DISABLE=all switches it off)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from gkd_zero3 import CheckpointingLog, build_tokenizer  # noqa: E402

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# ruff (lint and format check) and mypy (strict on shim/), configured in pyproject.toml, with the
+# pinned linters of constraints/lint.txt installed into .venv. .ci/run runs this before the tests.
+# Usage: bash scripts/lint.sh        (after bash scripts/setup.sh; SHIM_VENV=path for another venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${SHIM_VENV:-.venv}
+"$venv/bin/python" -m pip install -q -r constraints/lint.txt
+"$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
+"$venv/bin/mypy"
