@@ -1,6 +1,7 @@
 """The catalogue as it ships: installed as ``shim.patches``, indexed, imported only when needed."""
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -45,14 +46,24 @@ def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_pack
     assert "applied" not in out["states"]
 
 
-USER_SCRIPT = """
+TARGETS = (
+    "transformers.modeling_utils",
+    "transformers.modeling_layers",
+    "transformers.core_model_loading",
+    "trl.models.utils",
+)
+USER_SCRIPT = (
+    f"TARGETS = {TARGETS!r}\n"
+    + """
 import json, sys, warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
     import patches  # the project's own module, beside this script
     import shim
-    import transformers.modeling_utils, transformers.modeling_layers, transformers.core_model_loading
-    import trl.models.utils
+    import importlib, importlib.util
+    for name in TARGETS:
+        if importlib.util.find_spec(name) is not None:  # core_model_loading exists from transformers 5.0
+            importlib.import_module(name)
 print(json.dumps({
     "user_patches": patches.__file__,
     "catalogue": shim.patches.__name__,
@@ -60,6 +71,7 @@ print(json.dumps({
     "warnings": [str(w.message) for w in caught if "shim" in str(w.filename) or issubclass(w.category, shim.ShimWarning)],
 }))
 """
+)
 
 
 @pytest.mark.parametrize("layout", ["package", "module"])
@@ -79,17 +91,13 @@ def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, 
     assert Path(out["user_patches"]).resolve().parent in (tmp_path.resolve(), (tmp_path / "patches").resolve())
     assert out["catalogue"] == "shim.patches"
     assert out["warnings"] == []
-    expected = {row[0]: "applied" for row in catalogue.INDEX}
-    for name in ("load-keeps-requires-grad", "input-grad-hook-dedupe"):  # gated to transformers 5.x
-        if not shim.registry.patch(name).specifier.contains(_installed("transformers")):
-            expected[name] = "skipped"
-    assert out["states"] == expected
-
-
-def _installed(distribution):
-    from importlib.metadata import version
-
-    return version(distribution)
+    # The same states as in this process, where the same modules are imported and no patches/ exists.
+    for name in TARGETS:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+    expected = {s.name: s.state for s in shim.status() if s.name in out["states"]}
+    assert out["states"] == expected and set(expected) == {row[0] for row in catalogue.INDEX}
+    assert "applied" in expected.values()
 
 
 def test_the_wheel_installs_only_the_shim_package(tmp_path):
