@@ -73,10 +73,8 @@ class _Layout:
 
     def current(self) -> bool:
         for module, place in zip(self.modules, self.places):
-            if place is not None:
-                holder, key, size = place
-                if len(holder) != size or holder.get(key) is not module:
-                    return False
+            if place is not None and (place[0].get(place[1]) is not module or len(place[0]) != place[2]):
+                return False
         return True
 
 

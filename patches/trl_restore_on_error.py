@@ -41,13 +41,25 @@ def _zero3_hooks_removed(engine) -> bool:
 _CONTAINERS = frozenset({"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"})
 
 
+_is_container: dict = {}  # class -> whether it is one of _CONTAINERS (or derives from one)
+
+
+def _container(cls) -> bool:
+    known = _is_container.get(cls)
+    if known is None:
+        if len(_is_container) > 1024:
+            _is_container.clear()
+        known = _is_container[cls] = any(c.__name__ in _CONTAINERS for c in cls.__mro__)
+    return known
+
+
 def _unwrapped(model):
     """The model inside distributed containers and ``torch.compile``, like ``accelerator.unwrap_model``."""
     for _ in range(8):
         modules = getattr(model, "__dict__", {}).get("_modules") or {}
         if type(model).__name__ == "OptimizedModule" and "_orig_mod" in modules:
             model = modules["_orig_mod"]
-        elif any(cls.__name__ in _CONTAINERS for cls in type(model).__mro__) and "module" in modules:
+        elif "module" in modules and _container(type(model)):
             model = modules["module"]
         else:
             break

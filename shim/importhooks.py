@@ -41,7 +41,7 @@ def when_imported(name: str, hook: Hook) -> None:
     with _lock:
         _install()
         module = sys.modules.get(name)
-        if module is None or _executing(module):
+        if module is None or executing(module):
             _hooks.setdefault(name, []).append(hook)
             if module is not None:
                 _unfinished.add(name)
@@ -54,13 +54,13 @@ def poll() -> None:
     if not _unfinished:
         return
     with _lock:
-        done = [name for name in _unfinished if name in sys.modules and not _executing(sys.modules[name])]
+        done = [name for name in _unfinished if name in sys.modules and not executing(sys.modules[name])]
         _unfinished.difference_update(done)
     for name in done:
         _fire(sys.modules[name])
 
 
-def _executing(module: Any) -> bool:
+def executing(module: Any) -> bool:
     """Whether ``module`` is still running its body (importlib sets this flag around ``exec_module``)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-APPLIED, PENDING, SKIPPED, DISABLED, FAILED = "applied", "pending", "skipped", "disabled", "failed"
+from .registry import APPLIED
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def _imported(module_name: str) -> bool:
     ``core_model_loading``) is not ready to be patched yet; its own post-import hook fires once it
     is (importlib clears ``_initializing`` only after the hooks ran, hence ``finished``)."""
     module = sys.modules.get(module_name)
-    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+    return module is not None and not importhooks.executing(module)
 
 
 class _Entry:

@@ -10,7 +10,7 @@ def test_a_hook_fires_once_after_the_module_has_executed(fake_modules):
     pkg = fake_modules(target="VALUE = 1\n")
     seen = []
     importhooks.when_imported(
-        f"{pkg}.target", lambda module: seen.append((module.VALUE, importhooks._executing(module)))
+        f"{pkg}.target", lambda module: seen.append((module.VALUE, importhooks.executing(module)))
     )
     assert seen == []
     module = importlib.import_module(f"{pkg}.target")
