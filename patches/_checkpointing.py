@@ -183,6 +183,23 @@ def configured_kwargs(functions) -> dict | None:
     return None
 
 
+def is_reentrant(function) -> bool:
+    """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
+
+    The ``use_reentrant`` keyword bound by ``functools.partial`` decides (the outermost partial
+    wins; ``None`` counts as torch's default); without one, torch's default applies, which is
+    reentrant (torch 2.x warns and uses ``use_reentrant=True``). A function that is no partial
+    (plain ``checkpoint``, DeepSpeed's reentrant-style one, a closure) counts as reentrant.
+    """
+    while isinstance(function, functools.partial):
+        keywords = function.keywords
+        if "use_reentrant" in keywords:
+            value = keywords["use_reentrant"]
+            return True if value is None else bool(value)
+        function = function.func
+    return True
+
+
 def any_checkpointing(model) -> bool:
     """Whether any module of ``model`` has its checkpointing flag set: transformers'
     ``is_activation_checkpointing`` for a ``PreTrainedModel``, without its walk."""

@@ -52,6 +52,8 @@ import sys
 from shim import Patch, Target
 from shim.effects import record
 
+from ._checkpointing import is_reentrant  # the rule every reentrancy decision shares
+
 NAME = "reentrant-keyword-grads"
 _ATTRIBUTE = "_gradient_checkpointing_func"
 _partial = functools.partial
@@ -137,21 +139,6 @@ def _fill(template, tensors):
 
 
 # -- deciding ----------------------------------------------------------------------------------
-
-
-def is_reentrant(function) -> bool:
-    """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
-
-    The ``use_reentrant`` keyword bound by ``functools.partial`` decides (the outermost partial
-    wins); without one, torch's default applies, which is reentrant.
-    """
-    while type(function) is _partial or isinstance(function, _partial):
-        keywords = function.keywords
-        if "use_reentrant" in keywords:
-            value = keywords["use_reentrant"]
-            return True if value is None else bool(value)
-        function = function.func
-    return True
 
 
 class _Lifting:
