@@ -10,6 +10,7 @@ appears on transformers >= 5.23.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -78,8 +79,36 @@ class _Layout:
         return True
 
 
-# model -> its _Layout; weak, and holding only submodules and their dicts, never the model.
-_layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class ModelState:
+    """What the checkpointing patches keep about one model, stored in the model's own
+    ``__dict__`` so that it lives and dies with the model: a capture may hold a checkpoint function
+    that references the model (a ``context_fn`` bound to it), and kept anywhere else it would keep
+    the model alive. A pickled model carries an empty one (the capture is transient and its
+    functions need not pickle); a deep copy carries a copy of the capture, onto its own modules.
+    """
+
+    __slots__ = ("layout", "captured")
+    KEY = "_shim_checkpointing_state"
+
+    def __init__(self, captured: list | None = None) -> None:
+        self.layout: _Layout | None = None
+        self.captured = captured  # capture() at the last disable, until the next enable
+
+    @classmethod
+    def of(cls, model) -> ModelState:
+        state = model.__dict__.get(cls.KEY)
+        if state is None:
+            state = model.__dict__[cls.KEY] = cls()
+        return state
+
+    def __reduce__(self):
+        return ModelState, ()
+
+    def __copy__(self) -> ModelState:
+        return ModelState()
+
+    def __deepcopy__(self, memo: dict) -> ModelState:
+        return ModelState(copy.deepcopy(self.captured, memo))
 
 
 def _scan(model) -> _Layout:
@@ -115,19 +144,16 @@ def checkpointing_modules(model) -> list:
     Limit: a subtree with checkpointing modules attached after the last walk in a place the
     layout does not watch is found at the next explicit enable (see :func:`forget_layout`).
     """
-    layout = _layouts.get(model)
+    state = ModelState.of(model)
+    layout = state.layout
     if layout is None or not layout.current():
-        layout = _scan(model)
-        try:
-            _layouts[model] = layout
-        except TypeError:  # not weak-referenceable: walk every time
-            pass
+        layout = state.layout = _scan(model)
     return layout.modules
 
 
 def forget_layout(model) -> None:
     """Walk ``model`` again at its next capture (called on an enable that carries a configuration)."""
-    _layouts.pop(model, None)
+    ModelState.of(model).layout = None
 
 
 def capture(model) -> list:

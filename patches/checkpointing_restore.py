@@ -1,52 +1,78 @@
 """``checkpointing-restore``: re-enabling checkpointing brings back the configuration it had.
 
-Upstream bug (every transformers from 4.57 to 5.24 at least; docs/bugs.md#checkpointing-restore): the checkpointing configuration
-lives nowhere but in the layers (a shared ``partial(checkpoint, **kwargs)``, per-layer flags for
-``every_n_layers``, the offload closure). ``gradient_checkpointing_disable()`` overwrites all of it,
-and whoever re-enables without arguments — trl's ``unwrap_model_for_generation`` around every
-generation step (trl 0.22 – 1.15, and several 1.16 trainers), PEFT helpers, user code — gets the
-defaults: ``use_reentrant`` flips (``True`` → ``False`` on 5.x, ``False`` → ``True`` on 4.57),
-``every_n_layers`` and offload vanish. Under DeepSpeed ZeRO-3 (<= 0.19.2) with frozen parameters, the
-flip to non-reentrant ends the run with ``CheckpointError: Recomputed values for the following
-tensors have different metadata than during the forward pass``.
+Upstream bug (every transformers from 4.57 to 5.24 at least; docs/bugs.md#checkpointing-restore):
+the checkpointing configuration lives nowhere but in the layers (a shared ``partial(checkpoint,
+**kwargs)``, per-layer flags for ``every_n_layers``, the offload closure).
+``gradient_checkpointing_disable()`` overwrites all of it, and whoever re-enables without arguments
+— trl's ``unwrap_model_for_generation`` around every generation step (trl 0.22 – 1.15, and several
+1.16 trainers), PEFT helpers, user code — gets the defaults: ``use_reentrant`` flips (``True`` →
+``False`` on 5.x, ``False`` → ``True`` on 4.57), ``every_n_layers`` and offload vanish. Under
+DeepSpeed ZeRO-3 (<= 0.19.2) with frozen parameters, the flip to non-reentrant ends the run with
+``CheckpointError: Recomputed values for the following tensors have different metadata than during
+the forward pass``.
 
 The fix captures every module's state (flag and checkpoint function) in
 ``_set_gradient_checkpointing(enable=False)``, the one place every disable path reaches, and puts
 it back after an enable that carried no configuration of its own: kwargs ``None``/empty (or equal
-to the captured ones, as trl's selective-checkpointing wrapper passes them again) with
-``every_n_layers``/``offload`` at their defaults. An explicit configuration wins and drops the
-capture. The enable side wraps the implementation every entry point reaches:
-``PreTrainedModel.gradient_checkpointing_enable`` before 5.23 and
-``PreTrainedModel._activation_checkpointing_enable`` from 5.23 — never the public 5.23+ alias,
-whose identity transformers' ``_is_overridden`` compares.
+to the captured ones, as trl's selective-checkpointing wrapper passes them again), and neither
+``every_n_layers`` nor ``offload`` passed by the caller. "Passed" is what the caller wrote, not the
+value: ``every_n_layers=1`` given explicitly is a configuration and wins. From 5.23 the public
+``activation_checkpointing_enable`` always hands both to the implementation, so a thin layer on it
+notes what its caller passed. An explicit configuration wins and drops the capture. The enable
+side wraps the implementation every entry point reaches: ``PreTrainedModel.gradient_checkpointing_enable``
+before 5.23 and ``PreTrainedModel._activation_checkpointing_enable`` from 5.23 — never the
+deprecated 5.23+ ``gradient_checkpointing_enable``, whose identity ``_is_overridden`` compares.
+
+The capture lives in the model's own ``__dict__`` (``_checkpointing.ModelState``), so it is freed
+with the model even when a checkpoint function in it references the model.
+
+Limit: a model class whose ``_set_gradient_checkpointing`` override does not call ``super()`` is
+not restored (the capture is taken in ``PreTrainedModel._set_gradient_checkpointing``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import weakref
 
 from shim import Patch, Target
 from shim.effects import record
 
 from ._arguments import argument
-from ._checkpointing import MISSING, capture, configured_kwargs, forget_layout, layer_state, restore
+from ._checkpointing import MISSING, ModelState, capture, configured_kwargs, forget_layout, layer_state, restore
 
 NAME = "checkpointing-restore"
-# model -> capture() at its last disable; weak, so a captured model can still be freed.
-_captured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# Whether the caller of the public enable passed every_n_layers or offload itself. From 5.23 the
+# public method always hands both to the implementation, so "explicit" is decided where the user's
+# call comes in, not by value: an explicit every_n_layers=1 is a configuration too.
+_explicit_layout: contextvars.ContextVar[bool | None] = contextvars.ContextVar("shim_explicit_layout", default=None)
+
+
+def _passes_layout(args: tuple, kwargs: dict) -> bool:
+    """Whether an enable call ``(kwargs, every_n_layers, offload)`` gives every_n_layers or offload."""
+    return len(args) > 1 or "every_n_layers" in kwargs or "offload" in kwargs
 
 
 def _set_gradient_checkpointing(wrapped, instance, args, kwargs):
     if instance is not None and not argument(args, kwargs, 0, "enable", True):
         captured = capture(instance)
         if any(flag for _module, flag, _function in captured):
-            _captured[instance] = captured
+            ModelState.of(instance).captured = captured
     return wrapped(*args, **kwargs)
 
 
-def _carries_no_configuration(checkpoint_kwargs, every_n_layers, offload, captured) -> bool:
-    if every_n_layers != 1 or offload:
+def _public_enable(wrapped, instance, args, kwargs):
+    """``activation_checkpointing_enable`` (5.23+): note what the caller passed for the implementation."""
+    token = _explicit_layout.set(_passes_layout(args, kwargs))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _explicit_layout.reset(token)
+
+
+def _carries_no_configuration(checkpoint_kwargs, explicit_layout: bool, captured) -> bool:
+    if explicit_layout:
         return False
     return not checkpoint_kwargs or dict(checkpoint_kwargs) == _kwargs_of(captured)
 
@@ -70,12 +96,13 @@ def _restoring_enable(kwargs_name: str):
         result = wrapped(*args, **kwargs)
         if instance is None:
             return result
-        captured = _captured.pop(instance, None)
+        state = ModelState.of(instance)
+        captured, state.captured = state.captured, None
+        explicit = _explicit_layout.get()
+        if explicit is None:  # called directly, not through the public method
+            explicit = _passes_layout(args, kwargs)
         if captured is None or not _carries_no_configuration(
-            argument(args, kwargs, 0, kwargs_name, None),
-            argument(args, kwargs, 1, "every_n_layers", 1),
-            argument(args, kwargs, 2, "offload", False),
-            captured,
+            argument(args, kwargs, 0, kwargs_name, None), explicit, captured
         ):
             forget_layout(instance)  # a configuration of the caller's: look at the model afresh next time
         else:
@@ -131,6 +158,11 @@ PATCH = Patch(
         Target(
             "transformers.modeling_utils:PreTrainedModel._activation_checkpointing_enable",
             _restoring_enable("activation_checkpointing_kwargs"),
+            requires="transformers>=5.23",
+        ),
+        Target(
+            "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable",
+            _public_enable,
             requires="transformers>=5.23",
         ),
     ),

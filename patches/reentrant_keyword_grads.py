@@ -232,12 +232,15 @@ def _probe():
         seen.append((function, args, options))
         return function(*args)
 
-    layer = _ProbeLayer()
-    layer.train()
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = record
-    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the import happened in
-        first, second = torch.zeros(1), torch.ones(1)
+    # Whatever the import happened in (a ``torch.device("meta")`` block for big-model init, a
+    # changed default dtype, no_grad or inference mode), the probe runs on CPU float32 with grad on.
+    with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+        layer = _ProbeLayer()
+        layer.train()
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = record
+        first = torch.zeros(1, dtype=torch.float32, device="cpu")
+        second = torch.ones(1, dtype=torch.float32, device="cpu")
         result = layer(first, second=second)
     if len(seen) != 1:
         return f"GradientCheckpointingLayer called _gradient_checkpointing_func {len(seen)} times, not once"

@@ -11,9 +11,8 @@ because of three measured problems with it in this role:
   importing ``transformers`` and another importing ``transformers.modeling_utils`` can deadlock.
   This finder asks the finders after it directly, with the ``path`` the import system gave it.
 - wrapt calls a hook at once for a module that is in ``sys.modules`` but still executing (another
-  thread is importing it); the patch then finds its target missing. Here such a module is
-  remembered and its hooks fire once it has finished, at the next import anywhere or the next
-  :func:`poll`.
+  thread is importing it); the patch then finds its target missing and is skipped for good. Here
+  a small daemon thread watches such a module and fires its hooks once it has finished.
 
 Hooks run in the importing thread, while the module's import lock is still held, and outside
 this module's own lock. An exception from a hook propagates into the import (the registry lets
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +31,8 @@ Hook = Callable[[Any], None]
 
 _lock = threading.Lock()
 _hooks: dict[str, list[Hook]] = {}  # module name -> hooks waiting for it to finish executing
-_unfinished: set[str] = set()  # names with hooks whose module another loader is still executing
+_on_reload: dict[str, list[Hook]] = {}  # module name -> hooks for every later reload of it
+_watchers: dict[str, threading.Thread] = {}  # module another thread is still executing -> its watcher
 _resolving = threading.local()  # names this thread is resolving (another finder may call back)
 _finder: _Finder | None = None
 
@@ -43,21 +44,53 @@ def when_imported(name: str, hook: Hook) -> None:
         module = sys.modules.get(name)
         if module is None or executing(module):
             _hooks.setdefault(name, []).append(hook)
-            if module is not None:
-                _unfinished.add(name)
+            if module is not None and name not in _watchers:
+                watcher = threading.Thread(target=_watch, args=(name,), name=f"shim: waits for {name}", daemon=True)
+                _watchers[name] = watcher
+                watcher.start()
             return
     hook(module)
 
 
-def poll() -> None:
-    """Fire the hooks of modules that other threads finished importing since they were registered."""
-    if not _unfinished:
-        return
+def when_reloaded(name: str, hook: Hook) -> None:
+    """Call ``hook(module)`` after each ``importlib.reload`` of module ``name`` (reload asks the
+    finders for the module again, so it passes through this one)."""
     with _lock:
-        done = [name for name in _unfinished if name in sys.modules and not executing(sys.modules[name])]
-        _unfinished.difference_update(done)
-    for name in done:
-        _fire(sys.modules[name])
+        _install()
+        _on_reload.setdefault(name, []).append(hook)
+
+
+def _watch(name: str) -> None:
+    """Wait, without importing anything, until the thread importing ``name`` is done with it."""
+    delay = 0.001
+    try:
+        while True:
+            module = sys.modules.get(name)
+            if module is None:  # that import failed: the next one goes through the finder
+                return
+            if not executing(module):
+                _fire(module)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    finally:
+        with _lock:
+            _watchers.pop(name, None)
+
+
+def wait(timeout: float = 10.0) -> bool:
+    """Wait until no module is being watched; whether that happened within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _lock:
+            watchers = list(_watchers.values())
+        if not watchers:
+            return True
+        for watcher in watchers:
+            watcher.join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            with _lock:
+                return not _watchers
 
 
 def executing(module: Any) -> bool:
@@ -66,8 +99,9 @@ def executing(module: Any) -> bool:
 
 
 def _fire(module: Any) -> None:
+    name = str(getattr(module, "__name__", ""))
     with _lock:
-        hooks = _hooks.pop(str(getattr(module, "__name__", "")), [])
+        hooks = _hooks.pop(name, []) + _on_reload.get(name, [])
     for hook in hooks:
         hook(module)
 
@@ -83,9 +117,7 @@ class _Finder:
     """A meta path finder that only ever answers for modules with hooks, through the others."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if _unfinished:
-            poll()
-        if fullname not in _hooks:
+        if fullname not in _hooks and fullname not in _on_reload:
             return None
         resolving = _resolving.__dict__.setdefault("names", set())
         if fullname in resolving:  # another finder re-entered the import system for this name

@@ -62,6 +62,10 @@ class Target:
     def __post_init__(self) -> None:
         if not _TARGET.match(self.spec):
             raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
+        if not callable(self.wrapper):
+            raise TypeError(f"target {self.spec!r}: the wrapper must be a callable (wrapped, instance, args, kwargs)")
+        if self.probe is not None and not callable(self.probe):
+            raise TypeError(f"target {self.spec!r}: the probe must be a callable (original) -> reason or None")
         if self.requires:
             try:
                 object.__setattr__(self, "requirement", TargetRequirement(self.requires))

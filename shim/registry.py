@@ -61,7 +61,7 @@ class _Entry:
 
     __slots__ = (
         "declared", "patch", "switch", "state", "reason", "installed", "active", "explicit", "layers",
-        "rebound", "hooked", "done_modules", "gate", "notes", "applied_reason", "settled",
+        "rebound", "hooked", "reload_hooked", "done_modules", "gate", "notes", "applied_reason", "settled",
     )  # fmt: skip
 
     def __init__(self, declared: Declared, active: bool) -> None:
@@ -76,6 +76,7 @@ class _Entry:
         self.layers: list[tuple[Any, str, Any, Any]] = []
         self.rebound: list[tuple[Any, str, Any, Any]] = []
         self.hooked: set[str] = set()
+        self.reload_hooked: set[str] = set()  # modules whose reload re-applies the patch
         self.done_modules: set[str] = set()
         self.gate: GateDecision | None = None
         self.notes: list[str] = []
@@ -157,6 +158,11 @@ class Registry:
                 entry.switch.update()
                 entry.explicit = True
                 entry.active = True
+            with self._lock:
+                if entry.settled and entry.state == FAILED:  # an explicit retry
+                    entry.settled = False
+                    entry.done_modules.clear()
+                    entry.notes.clear()
             self._try_apply(name)
 
     def disable(self, *names: str) -> None:
@@ -195,7 +201,6 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         """One record per patch: its state and why, its versions, and what it changed so far."""
-        importhooks.poll()  # targets another thread finished importing since their hooks were set
         with self._lock:
             return [self._status(entry) for entry in self._entries.values()]
 
@@ -227,6 +232,14 @@ class Registry:
                 reason = f"{reason}; {decision.reason}"
         elif installed is None:
             installed = versions.installed_version(declared.distribution)
+        if state == APPLIED and entry.layers:
+            stale = self._stale(entry)
+            if stale:
+                replaced = ", ".join(f"{getattr(m, '__name__', m)}:{path}" for m, path, _h, _o in stale)
+                state, reason = (
+                    FAILED,
+                    f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again",
+                )
         if entry.switch.suspended and state in (APPLIED, PENDING):
             state, reason = DISABLED, SUSPENDED_REASON
         try:
@@ -288,12 +301,51 @@ class Registry:
 
         return hook
 
+    def _reload_hook(self, name: str) -> importhooks.Hook:
+        def hook(module: object) -> None:
+            try:
+                with self._lock:
+                    self._drop_stale(self._entries[name])
+                self._try_apply(name, finished=getattr(module, "__name__", None))
+            except PatchError:
+                raise
+            except Exception:  # pragma: no cover - defensive, as _on_import
+                log.exception("%s: unexpected error re-applying after a reload", name)
+
+        return hook
+
+    def _stale(self, entry: _Entry) -> list[tuple[Any, str, Any, Any]]:
+        """Layers no longer in place: their target was replaced (``importlib.reload``, assignment)."""
+        from . import wrapping
+
+        stale = []
+        for layer in entry.layers:
+            module, path, handle, _original = layer
+            try:
+                current = wrapping.resolve(module, path)
+            except wrapping.PathResolutionError:
+                stale.append(layer)
+                continue
+            if wrapping.find_shim_wrapper(current, entry.declared.name) is not handle:
+                stale.append(layer)
+        return stale
+
+    def _drop_stale(self, entry: _Entry) -> bool:
+        """Forget layers whose target was replaced, so the patch applies to the new one."""
+        stale = self._stale(entry) if entry.layers else []
+        for layer in stale:
+            entry.layers.remove(layer)
+            entry.done_modules.discard(getattr(layer[0], "__name__", ""))
+        return bool(stale)
+
     def _try_apply(self, name: str, finished: str | None = None) -> None:
         waiting: tuple[str, ...] = ()
+        watch_reloads: set[str] = set()
         with self._lock:
             entry = self._entries[name]
             if not entry.active or entry.settled or entry.switch.disabled:
                 return
+            self._drop_stale(entry)
             config = settings.read(self._entries)
             if (config.disable_all or name in config.disabled) and not entry.explicit and not entry.layers:
                 variable = "SHIM_DISABLE=all" if config.disable_all else f"SHIM_DISABLE={name}"
@@ -305,10 +357,14 @@ class Registry:
             problem = self._apply_modules(entry, ready, forced=name in config.forced) if ready else None
             if not entry.settled:
                 self._settle_state(entry, waiting)
+            watch_reloads = entry.done_modules - entry.reload_hooked
+            entry.reload_hooked |= watch_reloads
             if problem is not None and config.strict:
                 raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
         # Registering outside the lock: the hook runs at once if another thread just finished
         # the import, and the hook takes the lock itself.
+        for module_name in watch_reloads:
+            importhooks.when_reloaded(module_name, self._reload_hook(name))
         for module_name in waiting:
             if module_name not in entry.hooked:
                 entry.hooked.add(module_name)
@@ -368,7 +424,14 @@ class Registry:
                 try:
                     problem = target.probe(original)
                 except Exception as exc:
-                    problem = f"shape probe raised {exc!r}"
+                    # Not proof that upstream changed: the probe itself could not run here.
+                    return self._give_up(
+                        entry,
+                        FAILED,
+                        f"the shape probe of {target.spec} raised {exc!r}, so the patch is not applied; that is "
+                        f"a fault of the probe, not a sign that upstream changed: please report it "
+                        f"(shim.enable({patch.name!r}) tries again)",
+                    )
                 if problem:
                     return self._give_up(entry, SKIPPED, f"{problem} ({gate.reason})")
             resolved.append((target, module, original))

@@ -7,6 +7,10 @@ shim's module state: a reloaded ``shim`` or a second registry finds the layer al
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,11 +51,99 @@ def switch_of(wrapper: object) -> Switch:
     return switch
 
 
+class _BoundLayer(wrapt.BoundFunctionWrapper[Any, Any]):
+    """A shim layer bound to an instance: to code that inspects it, the bound method it wraps.
+
+    ``__func__`` is the class-level layer, so ``obj.method.__func__ is Class.method`` holds for a
+    stock ``obj`` (transformers' ``_is_overridden`` compares exactly that). It pickles and copies
+    as a bound method does: by its instance and its name.
+    """
+
+    @property
+    def __func__(self) -> Any:
+        return self._self_parent
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        return getattr, (self._self_instance, self.__name__)
+
+    def __copy__(self) -> Any:
+        return getattr(self._self_instance, self.__name__)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return getattr(copy.deepcopy(self._self_instance, memo), self.__name__)
+
+
+class _Layer(wrapt.FunctionWrapper[Any, Any]):
+    """A shim layer on a module function: pickled by reference and never copied, like a function."""
+
+    __bound_function_wrapper__ = _BoundLayer
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        return _lookup, (self.__module__, self.__qualname__)
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self
+
+
+class _MethodLayer(_Layer):
+    """A shim layer on a method: ``Class.method`` is this one object, as the function was.
+
+    wrapt binds a class access to a new wrapper each time (instance ``None``); here it returns
+    the layer itself, and a call through the class (``Class.method(obj, ...)``) is bound to its
+    first argument, so the patch sees the instance as in ``obj.method(...)``.
+    """
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return super().__get__(instance, owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            return super().__call__(*args, **kwargs)
+        return super().__get__(args[0], type(args[0]))(*args[1:], **kwargs)
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    """What ``module.qualname`` is now (how a pickled function is found again)."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _inherited(owner: type, attribute: str, original: Any) -> Any:
+    """A method for ``owner`` that calls whatever ``attribute`` its base classes have at call time.
+
+    Wrapping an inherited method (``GradientCheckpointingLayer.__call__``, which is
+    ``nn.Module.__call__`` from transformers 5.23) must not freeze the base's method as it was:
+    tools such as torch.fx and torch.ao patch ``nn.Module.__call__`` while they run, and a layer
+    that called the captured original would route around them.
+    """
+
+    def dispatch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(super(owner, self), attribute)(*args, **kwargs)
+
+    functools.update_wrapper(dispatch, original)
+    dispatch.__module__ = owner.__module__
+    dispatch.__qualname__ = f"{owner.__qualname__}.{attribute}"
+    return dispatch
+
+
 def install(module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch) -> Any:
     """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle."""
+    parent, attribute, _original = wrapt.resolve_path(module, path)
+    owner = parent if isinstance(parent, type) else None
+    inherited = owner is not None and attribute not in vars(owner)
+    method = owner is not None and inspect.isfunction(inspect.getattr_static(owner, attribute))
+    layer_class = _MethodLayer if method else _Layer
 
     def factory(original: Any) -> Any:
-        layer = wrapt.FunctionWrapper(original, wrapper, enabled=switch)
+        target = _inherited(owner, attribute, original) if owner and inherited and callable(original) else original
+        layer = layer_class(target, wrapper, enabled=switch)
         setattr(layer, _PATCH_ATTRIBUTE, name)
         setattr(layer, _SWITCH_ATTRIBUTE, switch)
         return layer

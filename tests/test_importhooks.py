@@ -48,5 +48,5 @@ def test_a_module_another_thread_is_still_executing_fires_when_it_is_done(fake_m
     gate["go"].set()
     thread.join(10)
     assert not thread.is_alive()
-    importhooks.poll()
+    assert importhooks.wait(10)
     assert seen == [3]

@@ -1,0 +1,472 @@
+"""The shim in the world it runs in: threads importing at the same moment, a meta-device init, tools
+that patch ``nn.Module.__call__``, pickling and copying, reloads. Each case failed on the shim
+before this file existed and passes now; thread cases run in subprocesses with hard timeouts, so a
+regression fails instead of hanging the suite."""
+
+import copy
+import functools
+import gc
+import importlib
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+import torch
+import transformers
+
+import shim
+from shim.patches._checkpointing import ModelState, disable, enable, layer_state
+from shim.selfcheck import tiny_llama_config
+from shim.wrapping import find_shim_wrapper, patch_name_of
+from tests.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
+from tests.conftest import ROOT
+
+ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+
+
+def run_script(code: str, timeout: int = 120, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter, killed after ``timeout`` seconds; its last line is JSON."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
+    clean.update(env or {})
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=clean,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung for {timeout} s (killed):\n{(exc.stderr or b'')[-3000:]!r}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- 1, 2: threads importing at the same moment ------------------------------------------------------
+
+THREADED_IMPORTS = """
+import importlib, json, sys, threading
+import shim
+from shim import importhooks
+names = {names!r}
+errors, threads = [], []
+barrier = threading.Barrier(len(names))
+def work(name):
+    try:
+        barrier.wait(30)
+        importlib.import_module(name)
+    except BaseException as exc:
+        errors.append(repr(exc))
+for name in names:
+    threads.append(threading.Thread(target=work, args=(name,), daemon=True))
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(90)
+alive = [thread.is_alive() for thread in threads]
+importhooks.wait(30)
+print(json.dumps({{"alive": alive, "errors": errors,
+                  "states": {{s.name: s.state for s in shim.status()}}}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["transformers", "transformers.modeling_utils"],
+        ["transformers.modeling_utils", "transformers", "transformers.modeling_layers", "trl.models.utils"],
+    ],
+    ids=["2 threads", "4 threads"],
+)
+@pytest.mark.parametrize("attempt", range(3))
+def test_threads_importing_transformers_and_its_modules_at_once_finish(names, attempt):
+    out = run_script(THREADED_IMPORTS.format(names=names), timeout=150)
+    assert out["alive"] == [False] * len(names) and out["errors"] == []
+    assert "failed" not in out["states"].values()
+
+
+RACE = """
+import json, sys, threading, time
+import transformers  # the package; its model code is imported by the thread below
+thread = threading.Thread(target=lambda: __import__("transformers.modeling_layers"), daemon=True)
+thread.start()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # wait until the thread is inside modeling_layers' body
+    module = sys.modules.get("transformers.modeling_layers")
+    if module is not None and getattr(module.__spec__, "_initializing", False):
+        break
+    time.sleep(0.0005)
+caught_executing = getattr(sys.modules.get("transformers.modeling_layers"), "__spec__", None)
+caught_executing = bool(getattr(caught_executing, "_initializing", False))
+import shim  # while the other thread is still executing the target module
+thread.join(90)
+from shim import importhooks
+importhooks.wait(30)
+status = {s.name: [s.state, s.reason] for s in shim.status()}
+print(json.dumps({"caught_executing": caught_executing, "alive": thread.is_alive(),
+                  "reentrant-keyword-grads": status["reentrant-keyword-grads"]}))
+"""
+
+
+def test_import_shim_while_another_thread_executes_a_target_module_applies_the_patch():
+    out = run_script(RACE, timeout=150)
+    assert out["caught_executing"], "the race window was not hit: the test proves nothing"
+    assert not out["alive"]
+    assert out["reentrant-keyword-grads"][0] == "applied", out["reentrant-keyword-grads"][1]
+
+
+# -- 3: the ambient state of the first import --------------------------------------------------------
+
+AMBIENT = """
+import json, torch, transformers
+import shim
+from shim.selfcheck import quiet_transformers, tiny_llama_config
+quiet_transformers()
+context = {context}
+with context:  # the model classes are first imported in here
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
+torch.set_default_dtype(torch.float32)
+from shim.patches.reentrant_keyword_grads import _self_check
+status = {{s.name: [s.state, s.reason] for s in shim.status()}}
+with shim.disabled():
+    upstream = _self_check()
+print(json.dumps({{"status": status["reentrant-keyword-grads"], "bug_upstream": upstream, "bug_with_shim": _self_check()}}))
+"""
+
+CONTEXTS = {
+    "meta device": 'torch.device("meta")',
+    "inference mode": "torch.inference_mode()",
+    "no grad": "torch.no_grad()",
+    "bfloat16 default": "__import__('contextlib').nullcontext(torch.set_default_dtype(torch.bfloat16))",
+}
+
+
+@pytest.mark.parametrize("context", CONTEXTS, ids=list(CONTEXTS))
+def test_the_first_import_inside_any_ambient_torch_state_still_applies_the_patch(context):
+    out = run_script(AMBIENT.format(context=CONTEXTS[context]), timeout=180)
+    assert out["status"][0] == "applied", out["status"][1]
+    assert (out["bug_upstream"], out["bug_with_shim"]) == (True, False)
+
+
+# -- 4: tools that patch nn.Module.__call__ ----------------------------------------------------------
+
+
+class _Block(importlib.import_module("transformers.modeling_layers").GradientCheckpointingLayer):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Block()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_torch_fx_and_torch_ao_still_see_the_layers_as_modules():
+    import torch.fx
+    from torch.ao.quantization.utils import get_fqn_to_example_inputs
+
+    class LeafBlocks(torch.fx.Tracer):
+        def is_leaf_module(self, module, qualified_name):
+            return isinstance(module, _Block) or super().is_leaf_module(module, qualified_name)
+
+    assert shim.registry.is_on("reentrant-keyword-grads")
+    graph = LeafBlocks().trace(_Net())
+    assert [node.target for node in graph.nodes if node.op == "call_module"] == ["block"]
+    assert sorted(get_fqn_to_example_inputs(_Net(), (torch.zeros(1, 4),))) == ["", "block", "block.lin"]
+
+
+# -- 5: an explicit every_n_layers=1 -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not supports("every_n_layers"), reason="version rule: every_n_layers exists from transformers 5.16")
+def test_an_explicit_every_n_layers_1_wins_over_the_captured_pattern():
+    model = tiny_llama(layers=4)
+    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=2)
+    assert layer_flags(model) == [True, False, True, False]
+    quietly(disable, model)
+    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=1)
+    assert layer_flags(model) == [True, True, True, True]
+    quietly(disable, model)
+    getattr(model, ENABLE)({"use_reentrant": True})  # nothing passed: the configuration comes back
+    assert layer_flags(model) == [True, True, True, True]
+
+
+# -- 6: a disabled model is freed ---------------------------------------------------------------------
+
+
+def test_a_disabled_model_whose_checkpoint_function_references_it_is_freed():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model = tiny_llama(layers=2)
+
+    def decide(model, ctx, op, *args, **kwargs):  # a policy that reads the model, as selective checkpointing does
+        return CheckpointPolicy.PREFER_RECOMPUTE if model.training else CheckpointPolicy.MUST_SAVE
+
+    policy = functools.partial(decide, model)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    quietly(enable, model, {"use_reentrant": False, "context_fn": context_fn})
+    quietly(disable, model)
+    alive = weakref.ref(model)
+    del model, policy, context_fn
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_deep_copy_between_disable_and_enable_restores_onto_its_own_modules():
+    model = tiny_llama(layers=4)
+    quietly(enable, model, {"use_reentrant": True, "preserve_rng_state": False})
+    configured = layer_state(model)
+    quietly(disable, model)
+    twin = copy.deepcopy(model)
+    quietly(enable, twin, None)
+    assert {k: (flag, dict(f.keywords)) for k, (flag, f) in layer_state(twin).items()} == {
+        k: (flag, dict(f.keywords)) for k, (flag, f) in configured.items()
+    }
+    # A pickled model carries no capture (its functions need not pickle; upstream's hooks already don't).
+    assert pickle.loads(pickle.dumps(model.__dict__[ModelState.KEY])).captured is None
+
+
+# -- 7, 8: wrapped functions look like the originals ---------------------------------------------------
+
+
+def wrapped_targets():
+    """(owner, attribute, patch) for every shim layer in place now, found through the registry."""
+    import wrapt
+
+    found = []
+    for name in shim.registry.names:
+        for target in shim.registry.patch(name).targets:
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            try:
+                owner, attribute, current = wrapt.resolve_path(module, target.path)
+            except Exception:
+                continue
+            if find_shim_wrapper(current, name) is not None:
+                found.append((owner, attribute, name))
+    return found
+
+
+def test_every_wrapped_function_pickles_and_copies_like_the_original():
+    importlib.import_module("trl.models.utils")
+    targets = wrapped_targets()
+    assert len(targets) >= 6
+    for owner, attribute, _name in targets:
+        function = getattr(owner, attribute)
+        assert pickle.loads(pickle.dumps(function)) is function, f"{owner}.{attribute}"
+        assert copy.deepcopy(function) is function and copy.copy(function) is function
+
+
+def test_bound_wrapped_methods_pickle_and_copy_like_bound_methods():
+    model = tiny_llama(layers=2)
+    for name in ("enable_input_require_grads", "_set_gradient_checkpointing"):
+        bound = getattr(model, name)
+        assert patch_name_of(type(model).__dict__.get(name) or getattr(transformers.PreTrainedModel, name)) or True
+        restored = pickle.loads(pickle.dumps(bound))
+        assert type(restored.__self__) is type(model) and restored.__self__ is not model
+        assert copy.copy(bound).__self__ is model
+        assert copy.deepcopy(bound).__self__ is not model
+
+
+def test_a_stock_model_compares_as_stock():
+    model = tiny_llama(layers=2)
+    for owner, attribute, _name in wrapped_targets():
+        assert getattr(owner, attribute) is getattr(owner, attribute), f"{owner.__name__}.{attribute}"
+        if isinstance(owner, type) and isinstance(model, owner):
+            assert getattr(model, attribute).__func__ is getattr(owner, attribute), attribute
+    if ON_5_23:  # transformers' own identity test
+        for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable", "enable_input_require_grads"):
+            assert not model._is_overridden(name), name
+
+        class Overrides(transformers.LlamaForCausalLM):
+            def activation_checkpointing_enable(self, *args, **kwargs):
+                return super().activation_checkpointing_enable(*args, **kwargs)
+
+        assert Overrides(tiny_llama_config())._is_overridden("activation_checkpointing_enable")
+
+
+def test_calling_a_wrapped_method_through_the_class_binds_its_first_argument():
+    model = tiny_llama(layers=4)
+    quietly(enable, model, {"use_reentrant": True, "preserve_rng_state": False})
+    configured = layer_state(model)
+    transformers.PreTrainedModel._set_gradient_checkpointing(model, enable=False)  # the capture sees the model
+    quietly(enable, model, None)
+    assert {k: dict(f.keywords) for k, (_, f) in layer_state(model).items()} == {
+        k: dict(f.keywords) for k, (_, f) in configured.items()
+    }
+
+
+# -- 9: declarations, reloads -------------------------------------------------------------------------
+
+
+def test_a_target_without_a_callable_wrapper_is_refused_at_declaration():
+    with pytest.raises(TypeError, match="the wrapper must be a callable"):
+        shim.Target("json:dumps", None)
+    with pytest.raises(TypeError, match="the probe must be a callable"):
+        shim.Target("json:dumps", lambda *a: None, probe="not callable")
+
+
+RELOAD = """
+import importlib, json
+import shim
+import transformers.modeling_utils as modeling_utils
+from shim.wrapping import find_shim_wrapper
+importlib.reload(modeling_utils)
+layer = modeling_utils.PreTrainedModel.__dict__["_set_gradient_checkpointing"]
+status = {s.name: s.state for s in shim.status()}
+print(json.dumps({"wrapped": find_shim_wrapper(layer, "checkpointing-restore") is not None,
+                  "state": status["checkpointing-restore"]}))
+"""
+
+
+def test_a_reloaded_target_module_is_patched_again():
+    assert run_script(RELOAD) == {"wrapped": True, "state": "applied"}
+
+
+def test_a_target_replaced_by_hand_is_reported_and_activate_wraps_it_again(fake_modules):
+    from shim import FAILED, Registry
+    from tests.test_engine import TARGET, make_patch
+
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    module.f = lambda x: x  # someone else's assignment replaces our layer
+    record = next(s for s in registry.status() if s.name == "demo")
+    assert record.state == FAILED and "was replaced after the shim wrapped it" in record.reason
+    registry.activate()
+    assert module.f(1) == ("demo", 1)
+
+
+# -- the reentrant fix under the shim, end to end, as a permutation of import orders ------------------
+
+STEPS = {
+    "shim": "import shim",
+    "transformers": "import transformers",
+    "trl": "import trl",
+    "model": "model = build()",
+}
+PERMUTATION = """
+import json, sys, threading, itertools
+import torch
+meta = {meta!r}
+def build():
+    # Through the model's own modules: transformers' top-level lazy module is itself not safe to
+    # read from one thread while another is still importing it (upstream, with or without the shim).
+    from transformers.models.llama import configuration_llama, modeling_llama
+    config = configuration_llama.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    if meta:
+        with torch.device("meta"):
+            return modeling_llama.LlamaForCausalLM(config)
+    return modeling_llama.LlamaForCausalLM(config)
+steps = {steps!r}
+order = {order!r}
+def run(step):
+    exec(steps[step], globals())
+if {threads}:
+    # transformers itself is not safe to import from several threads at once: with or without the
+    # shim, a thread can meet a partially initialised module (ImportError, AttributeError). Such a
+    # step runs again once the others are done; a hang or any other error fails the test.
+    failed, errors = [], []
+    def guarded(step):
+        try:
+            run(step)
+        except (ImportError, AttributeError):
+            failed.append(step)
+        except BaseException as exc:
+            errors.append(repr(exc))
+    threads = [threading.Thread(target=guarded, args=(step,), daemon=True) for step in order]
+    for thread in threads: thread.start()
+    for thread in threads: thread.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors, ("a thread hung or failed", errors)
+    for step in failed:
+        run(step)
+else:
+    for step in order:
+        run(step)
+import shim, transformers, trl.models.utils, transformers.modeling_utils, transformers.modeling_layers
+from shim import importhooks
+from shim.wrapping import patch_name_of
+import wrapt
+importhooks.wait(30)
+layers = {{}}
+for name in shim.registry.names:
+    for target in shim.registry.patch(name).targets:
+        module = sys.modules.get(target.module)
+        try:
+            current = wrapt.resolve_path(module, target.path)[2]
+        except Exception:
+            continue
+        layers[name + " " + target.spec] = sum(1 for e in wrapt.wrapper_chain(current) if patch_name_of(e) == name)
+from shim.patches.reentrant_keyword_grads import _self_check
+with shim.disabled():
+    upstream = _self_check()
+print(json.dumps({{"states": {{s.name: s.state for s in shim.status()}}, "layers": layers,
+                  "fix": [upstream, _self_check()]}}))
+"""
+
+
+def permutations() -> list:
+    import itertools
+    import os
+
+    orders = list(itertools.permutations(STEPS))
+    repeats = 2
+    if os.environ.get("MATRIX_CELL"):  # the version matrix runs a spread of them, the default cell all
+        orders, repeats = orders[::6], 1
+    cases = [(order, meta, 0) for meta in (False, True) for order in orders]
+    cases += [(tuple(STEPS), meta, 4) for meta in (False, True) for _ in range(repeats)]
+    return cases
+
+
+CASES = permutations()
+
+
+def case_id(case) -> str:
+    order, meta, threads = case
+    return f"{'meta, ' if meta else ''}{'4 threads' if threads else '-'.join(order)}"
+
+
+@pytest.fixture(scope="module")
+def permutation_results():
+    """Every case in its own interpreter, two at a time (the machine's cores), run once for all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(case):
+        order, meta, threads = case
+        try:
+            return run_script(PERMUTATION.format(meta=meta, steps=STEPS, order=order, threads=threads), timeout=240)
+        except BaseException as exc:  # pytest.fail inside a pool thread: report it in the case's test
+            return {"error": repr(exc)}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(range(len(CASES)), pool.map(run, CASES)))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{i}: {case_id(c)}" for i, c in enumerate(CASES)])
+def test_every_import_order_ends_with_each_patch_applied_once_and_the_fix_shown(index, permutation_results):
+    out = permutation_results[index]
+    assert "error" not in out, out.get("error")
+    for name in ("trl.models.utils", "transformers.modeling_utils", "transformers.modeling_layers"):
+        importlib.import_module(name)  # as in the subprocess, so the states compare
+    expected = {s.name: s.state for s in shim.status() if s.name in out["states"]}
+    assert out["states"] == expected, "the same states as in this process, whatever the order"
+    assert set(out["layers"].values()) <= {0, 1} and 1 in out["layers"].values(), out["layers"]
+    assert out["fix"] == [True, False]
