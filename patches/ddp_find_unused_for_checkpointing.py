@@ -89,8 +89,8 @@ def _decide(trainer, handler, enable_comes_later: bool) -> None:
     handler.find_unused_parameters = False
     record(
         NAME,
-        "the Trainer chose find_unused_parameters=True for %s (not a PreTrainedModel), which DDP cannot run with "
-        "%s, which is reentrant ('Expected to mark a variable ready only once'); the shim set it to False",
+        "the Trainer chose find_unused_parameters=True for %s (not a PreTrainedModel) although %s is reentrant, "
+        "which DDP fails on ('Expected to mark a variable ready only once'); the shim chose False",
         type(model).__name__, source,
     )  # fmt: skip
 
