@@ -1,6 +1,6 @@
 """``zero3-frozen-recompute``: ZeRO-3 keeps a frozen parameter gathered while a recomputation still needs it.
 
-Upstream bug (DeepSpeed 0.19.2 and before, fixed in 0.19.3 by deepspeedai/DeepSpeed#8148;
+Upstream bug (DeepSpeed 0.19.0 – 0.19.2 read and 0.19.2 measured, fixed in 0.19.3 by deepspeedai/DeepSpeed#8148;
 docs/bugs.md#zero3-frozen-recompute): non-reentrant checkpointing (transformers' default from 5.0) runs
 each checkpointed layer's forward again inside backward. ZeRO-3's forward hooks fire on that
 recomputation too: the pre-hook gathers the layer's parameters, the post-hook partitions them again

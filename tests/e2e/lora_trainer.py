@@ -132,6 +132,10 @@ def main() -> None:
     log.write()
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} optimizer steps", flush=True)
+    if torch.distributed.is_initialized():
+        # End the process group before the interpreter exits, so that no communication thread is still
+        # running while the process tears down.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

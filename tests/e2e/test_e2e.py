@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, collect, environment, run, torchrun
+from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, collect, environment, launch, run, torchrun
 from tests.e2e.launch import applies as _applies
 
 pytestmark = pytest.mark.e2e
@@ -33,16 +33,12 @@ def run_gkd_zero3(tmp_path: Path, shim_disabled: bool) -> Run:
     """The example, two ranks, DeepSpeed ZeRO-3 over gloo on CPU."""
     log_dir = tmp_path / ("shim-off" if shim_disabled else "shim-on")
     log_dir.mkdir()
-    arguments = (
-        "--output-dir",
-        str(log_dir / "output"),
-        "--max-steps",
-        str(STEPS),
-        "--checkpointing-log",
-        str(log_dir),
-    )
-    command = torchrun(EXAMPLE, log_dir, *arguments)
-    return collect(run(command, log_dir, environment(shim_disabled), ZERO3_TIMEOUT), log_dir)
+
+    def command(directory: Path) -> list[str]:
+        arguments = ("--output-dir", str(directory / "output"), "--max-steps", str(STEPS))
+        return torchrun(EXAMPLE, directory, *arguments, "--checkpointing-log", str(directory))
+
+    return launch(command, log_dir, environment(shim_disabled), ZERO3_TIMEOUT)
 
 
 def run_single_rank(tmp_path: Path, trainer: str, shim_disabled: bool) -> Run:
