@@ -9,6 +9,8 @@
 # `CheckpointError: Recomputed values have different metadata than during the forward pass`.
 # With `import shim` the configured kwargs are restored and training completes.
 # `SHIM_DISABLE=all torchrun ...` shows the crash with the shim present but switched off.
+# Without the `import shim` line, `shim-run torchrun --nproc_per_node 2 examples/gkd_zero3.py` applies the
+# shim on every rank all the same.
 #
 # The code follows trl's GKD documentation (GKDConfig / GKDTrainer with a "messages" dataset);
 # the models and the tokenizer are tiny and built in code so that it runs offline in seconds.
@@ -17,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 
 import torch
 from datasets import Dataset
@@ -25,7 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, TrainerCallback
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-import shim  # the only change to trl's GKD example: fixes known bugs of the installed stack
+import shim  # noqa: F401  -- the only change to trl's GKD example: fixes known bugs of the installed stack
 
 CHECKPOINTING_KWARGS = {"use_reentrant": True}
 
@@ -104,6 +107,12 @@ def checkpointing_state(model) -> dict:
     return {"layers": layers}
 
 
+def shim_states() -> dict:
+    """Each shim patch's state in this process; empty when the shim is not loaded."""
+    loaded = sys.modules.get("shim")
+    return {patch.name: patch.state for patch in loaded.status()} if loaded is not None else {}
+
+
 class CheckpointingLog(TrainerCallback):
     """Writes the checkpointing state after the Trainer set it up and after every optimizer step,
     one JSON file per rank."""
@@ -117,7 +126,7 @@ class CheckpointingLog(TrainerCallback):
         self.records.append({"when": when, "step": state.global_step, **checkpointing_state(model)})
         report = {
             "configured": self.configured,
-            "shim": {patch.name: patch.state for patch in shim.status()},
+            "shim": shim_states(),
             "records": self.records,
         }
         with open(self.path, "w") as handle:
@@ -179,6 +188,10 @@ def main():
     trainer.train()
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} optimizer steps", flush=True)
+    if torch.distributed.is_initialized():
+        # End the process group before the interpreter exits, so that no communication thread is still
+        # running while the process tears down.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,4 +29,25 @@ INDEX = (
     ("checkpoint-kwargs-clean", "checkpoint_kwargs_clean", "transformers", ">=4.57", ("transformers.modeling_utils",)),
     ("input-grad-hook-dedupe", "input_grad_hook_dedupe", "transformers", ">=5.0", ("transformers.modeling_utils",)),
     ("reentrant-keyword-grads", "reentrant_keyword_grads", "transformers", ">=4.57", ("transformers.modeling_layers",)),
+    (
+        "ddp-find-unused-for-checkpointing",
+        "ddp_find_unused_for_checkpointing",
+        "transformers",
+        ">=4.57",
+        ("transformers.trainer",),
+    ),
+    (
+        "zero3-frozen-recompute",
+        "zero3_frozen_recompute",
+        "deepspeed",
+        "<0.19.3",
+        ("deepspeed.runtime.zero.partitioned_param_coordinator", "deepspeed.runtime.zero.stage3"),
+    ),
+    (
+        "zero3-delegating-wrapper-hooks",
+        "zero3_delegating_wrapper_hooks",
+        "deepspeed",
+        "<0.19.3",
+        ("deepspeed.runtime.zero.parameter_offload",),
+    ),
 )

@@ -69,13 +69,16 @@ class Cell:
 
 #: The cells. Full cells run the suite and doctor. Edge cells run doctor only and sit on the first
 #: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
-#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.16 (every_n_layers is sent), 5.22
-#: and 5.23 (the Trainer path before activation_checkpointing_enable, and the override path after).
+#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
+#: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
+#: activation_checkpointing_enable, and the override path after).
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
     Cell("edge-trl0.28", suite=False),
     Cell("tf5.0-trl0.29"),
+    Cell("edge-tf5.2", suite=False),
+    Cell("edge-tf5.3", suite=False),
     Cell("tf5.14-trl1.0"),
     Cell("edge-tf5.16", suite=False),
     Cell("tf5.20-trl1.12"),

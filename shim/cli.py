@@ -1,4 +1,5 @@
-"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]`` and ``python -m shim doctor``."""
+"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``
+and ``python -m shim run [--] <command ...>`` (the ``shim-run`` console script)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ hf-train-shim: what the shim did in this environment, and whether the bugs it fi
 commands:
   status    (default) one row per patch: state, installed version, effects so far, the reason;
             the patch's one-line summary below it
-  doctor    reproduce each bug on a tiny model built in code, with its patch off and then on"""
+  doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
+  run       run [--] <command ...> with the shim imported first in every Python process it starts
+            (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 
 EXIT_CODES = """\
 exit codes:
@@ -160,6 +163,10 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after it is the command's, not ours to parse
+        from .run import main as run
+
+        return run(argv[1:])
     if not any(arg in ("status", "doctor", "-h", "--help") for arg in argv[:1]):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     args = _parser().parse_args(argv)

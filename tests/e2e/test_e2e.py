@@ -10,136 +10,35 @@ each layer, and which layers checkpoint); the tests assert on those records and 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
+
+from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, collect, environment, launch, run, torchrun
+from tests.e2e.launch import applies as _applies
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gkd_zero3.py"
 SINGLE_RANK = Path(__file__).resolve().parent / "single_rank.py"
 PATCH = "checkpointing-restore"
 STEPS = 2
-ZERO3_TIMEOUT = 300  # ~15 s warm; a cold run first JIT-compiles DeepSpeed's CPU shared-memory comm op (40-110 s)
 SINGLE_RANK_TIMEOUT = 180  # ~10 s
 # Keys transformers' Trainer takes out of the checkpointing kwargs before torch.utils.checkpoint sees them.
 TRAINER_KEYS = ("every_n_layers", "offload")
-
-
-@dataclass
-class Run:
-    returncode: int
-    log_dir: Path
-    logs: dict[str, str] = field(default_factory=dict)  # name -> text (torchrun's own and one per rank)
-    reports: dict[int, dict] = field(default_factory=dict)  # rank -> checkpointing JSON written by the script
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.logs.values())
-
-    def describe(self, tail: int = 60) -> str:
-        parts = [f"return code {self.returncode}, logs in {self.log_dir}"]
-        for rank, report in self.reports.items():
-            parts.append(f"rank {rank}: shim patches {report.get('shim')}")
-        for name, text in self.logs.items():
-            lines = text.splitlines()[-tail:]
-            parts.append(f"----- {name} (last {len(lines)} lines) -----\n" + "\n".join(lines))
-        return "\n".join(parts)
-
-
-def _environment(shim_disabled: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",  # models and tokenizers are built in code: nothing may be downloaded
-        HF_DATASETS_OFFLINE="1",
-        TRL_EXPERIMENTAL_SILENCE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    if shim_disabled:
-        env["SHIM_DISABLE"] = "all"
-    return env
-
-
-def _run(command: list[str], log_dir: Path, env: dict, timeout: int) -> int:
-    """Run ``command`` in its own process group; on timeout (or any interruption) end the whole group:
-    torchrun's ranks must not outlive the test."""
-    with open(log_dir / "launcher.log", "w") as output:
-        process = subprocess.Popen(
-            command,
-            cwd=log_dir,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"timed out after {timeout} s: {' '.join(command)} (logs in {log_dir})")
-        finally:
-            if process.poll() is None:
-                _kill_group(process)
-
-
-def _die_with_parent() -> None:
-    """Linux: the launcher gets SIGTERM if pytest itself is killed (torchrun then stops its ranks)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _collect(returncode: int, log_dir: Path) -> Run:
-    run = Run(returncode, log_dir)
-    run.logs["launcher"] = (log_dir / "launcher.log").read_text(errors="replace")
-    # torchrun --log-dir D --redirects 3 writes D/<run id>/attempt_<n>/<rank>/{stdout,stderr}.log
-    for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/std*.log")):
-        run.logs[f"rank {path.parent.name} {path.stem}"] = path.read_text(errors="replace")
-    for path in sorted(log_dir.glob("checkpointing-rank*.json")):
-        run.reports[int(path.stem.removeprefix("checkpointing-rank"))] = json.loads(path.read_text())
-    return run
 
 
 def run_gkd_zero3(tmp_path: Path, shim_disabled: bool) -> Run:
     """The example, two ranks, DeepSpeed ZeRO-3 over gloo on CPU."""
     log_dir = tmp_path / ("shim-off" if shim_disabled else "shim-on")
     log_dir.mkdir()
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nproc_per_node", "2",
-        "--log-dir", str(log_dir / "ranks"), "--redirects", "3",
-        str(EXAMPLE),
-        "--output-dir", str(log_dir / "output"),
-        "--max-steps", str(STEPS),
-        "--checkpointing-log", str(log_dir),
-    ]  # fmt: skip
-    return _collect(_run(command, log_dir, _environment(shim_disabled), ZERO3_TIMEOUT), log_dir)
+
+    def command(directory: Path) -> list[str]:
+        arguments = ("--output-dir", str(directory / "output"), "--max-steps", str(STEPS))
+        return torchrun(EXAMPLE, directory, *arguments, "--checkpointing-log", str(directory))
+
+    return launch(command, log_dir, environment(shim_disabled), ZERO3_TIMEOUT)
 
 
 def run_single_rank(tmp_path: Path, trainer: str, shim_disabled: bool) -> Run:
@@ -147,7 +46,7 @@ def run_single_rank(tmp_path: Path, trainer: str, shim_disabled: bool) -> Run:
     log_dir = tmp_path / f"{trainer}-{'shim-off' if shim_disabled else 'shim-on'}"
     log_dir.mkdir()
     command = [sys.executable, str(SINGLE_RANK), trainer, str(log_dir), "--max-steps", str(STEPS)]
-    return _collect(_run(command, log_dir, _environment(shim_disabled), SINGLE_RANK_TIMEOUT), log_dir)
+    return collect(run(command, log_dir, environment(shim_disabled), SINGLE_RANK_TIMEOUT), log_dir)
 
 
 def expected_state(configured: dict, layers: list[dict]) -> list[dict]:
@@ -181,20 +80,6 @@ def assert_checkpointing_intact(run: Run, ranks: int) -> None:
                 f"shim patches {report['shim']}"
             )
         assert [r["step"] for r in records if r["when"] == "step_end"] == list(range(1, STEPS + 1))
-
-
-def _applies(distribution: str, rule: str) -> bool:
-    """Whether the installed ``distribution`` is inside ``rule``; ``False`` when it is not installed
-    (the module is collected, and deselected, in environments without deepspeed too)."""
-    from importlib.metadata import PackageNotFoundError
-
-    from packaging.specifiers import SpecifierSet
-
-    try:
-        installed = version(distribution)
-    except PackageNotFoundError:
-        return False
-    return Version(Version(installed).base_version) in SpecifierSet(rule)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""``zero3-delegating-wrapper-hooks``: a module that forwards attribute lookups gets its own ZeRO-3 hooks.
+
+Upstream bug (DeepSpeed 0.19.2 and before, fixed in 0.19.3 by deepspeedai/DeepSpeed#8144;
+docs/bugs.md#zero3-delegating-wrapper-hooks): ``DeepSpeedZeRoOffload._register_deepspeed_module``
+registers a module's children first, then gives the module its backward-hook classes unless
+``hasattr(module, "pre_bwd_fn")`` / ``hasattr(module, "post_bwd_fn")`` says it has them. A wrapper whose
+``__getattr__`` forwards unknown attributes to the module it wraps — PEFT's ``ModulesToSaveWrapper``
+(``modules_to_save=["lm_head"]``) and ``PeftModel``, torch's ``CheckpointWrapper`` — answers that with
+its child's classes, so DeepSpeed skips its own. Those classes are closures over the child: the
+wrapper's first forward counts gradients on the child before the child has its counter, and training
+stops with ``AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'``. Likewise
+``hasattr(ctx.module, "applied_pre_backward_ref_cnt")`` reads the child's counter.
+
+0.19.3 asks the module's own ``__dict__`` instead. The fix gets the same answer from the 0.19.2 code:
+while DeepSpeed registers a model, each module's ``pre_bwd_fn`` / ``post_bwd_fn`` are taken out of its
+``__dict__`` as soon as its own registration returns, and put back when the outermost registration
+returns. An ancestor's ``hasattr`` then finds only what the ancestor itself holds, whatever its
+``__getattr__`` forwards to; nothing else reads these attributes during registration (the hooks read
+them when the model runs). A forwarding module that got its own classes this way also gets its own
+``applied_pre_backward_ref_cnt`` (0), as 0.19.3's ``__dict__`` check gives it at its first forward.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from shim import Patch, Target
+from shim.effects import record
+
+from ._arguments import argument, leading_parameters
+
+NAME = "zero3-delegating-wrapper-hooks"
+HOOK_CLASSES = ("pre_bwd_fn", "post_bwd_fn")
+COUNTER = "applied_pre_backward_ref_cnt"
+_module_getattr = None  # torch.nn.Module.__getattr__, bound on first use
+
+
+class _Registration:
+    """The outermost ``_register_deepspeed_module`` call in progress on this thread."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.hidden: list = []  # (module, {name: hook class}) taken out of sight of the ancestors
+        self.forwarding: list = []  # (module, held its own hook classes before) for modules with a __getattr__
+
+
+_local = threading.local()
+
+
+def _forwards_lookups(module) -> bool:
+    """Whether ``module``'s class answers unknown attributes with a ``__getattr__`` of its own."""
+    global _module_getattr
+    if _module_getattr is None:
+        import torch
+
+        _module_getattr = torch.nn.Module.__getattr__
+    return getattr(type(module), "__getattr__", _module_getattr) is not _module_getattr
+
+
+def _register_deepspeed_module(wrapped, instance, args, kwargs):
+    module = argument(args, kwargs, 0, "module")
+    registration = getattr(_local, "registration", None)
+    outermost = registration is None
+    if outermost:
+        registration = _local.registration = _Registration()
+    if _forwards_lookups(module):
+        registration.forwarding.append((module, all(name in module.__dict__ for name in HOOK_CLASSES)))
+    registration.depth += 1
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        registration.depth -= 1
+        if outermost:
+            _local.registration = None
+            for hidden_module, classes in registration.hidden:
+                hidden_module.__dict__.update(classes)
+    if outermost:
+        _settle_forwarding(registration.forwarding)
+    else:
+        classes = {name: module.__dict__.pop(name) for name in HOOK_CLASSES if name in module.__dict__}
+        registration.hidden.append((module, classes))
+    return result
+
+
+def _borrowed(module) -> str:
+    """The class name of what ``module``'s own ``__getattr__`` answers for ``pre_bwd_fn`` (what DeepSpeed's
+    ``hasattr`` would have found), or ``""``."""
+    try:
+        found = type(module).__getattr__(module, HOOK_CLASSES[0])
+    except Exception:  # AttributeError, or a forwarding rule that cannot answer: nothing borrowed
+        return ""
+    return getattr(found, "__qualname__", type(found).__name__)
+
+
+def _settle_forwarding(forwarding: list) -> None:
+    for module, held_before in forwarding:
+        if held_before or not all(name in module.__dict__ for name in HOOK_CLASSES):
+            continue
+        if COUNTER not in module.__dict__:
+            module.__dict__[COUNTER] = 0
+        if _borrowed(module):
+            record(
+                NAME,
+                "gave %s its own ZeRO-3 backward hooks; DeepSpeed 0.19.2's hasattr would have used those of "
+                "the module its __getattr__ forwards to (AttributeError: ... 'ds_grads_remaining')",
+                type(module).__name__,
+            )
+
+
+def _self_check() -> bool:
+    """True when one ZeRO-3 rank dies with ``AttributeError: ... 'ds_grads_remaining'`` on a Linear inside
+    a wrapper that forwards unknown attributes to it. Runs in a child process (see ``_deepspeed_cases``)."""
+    from ._deepspeed_cases import reproduces
+
+    return reproduces("delegating-wrapper", NAME)
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="ZeRO-3 gives wrappers that forward attribute lookups (PEFT modules_to_save, CheckpointWrapper) "
+    "their own backward hooks (AttributeError: ds_grads_remaining).",
+    distribution="deepspeed",
+    requires="<0.19.3",
+    targets=(
+        Target(
+            "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload._register_deepspeed_module",
+            _register_deepspeed_module,
+            probe=lambda original: leading_parameters(original, ("self", "module")),
+        ),
+    ),
+    references=(
+        "docs/bugs.md#zero3-delegating-wrapper-hooks",
+        "deepspeedai/DeepSpeed#8144",
+        "deepspeedai/DeepSpeed#7615",
+        "deepspeedai/DeepSpeed#7203",
+    ),
+    self_check=_self_check,
+)

@@ -1,0 +1,225 @@
+"""``zero3-frozen-recompute``: ZeRO-3 keeps a frozen parameter gathered while a recomputation still needs it.
+
+Upstream bug (DeepSpeed 0.19.0 – 0.19.2 read and 0.19.2 measured, fixed in 0.19.3 by deepspeedai/DeepSpeed#8148;
+docs/bugs.md#zero3-frozen-recompute): non-reentrant checkpointing (transformers' default from 5.0) runs
+each checkpointed layer's forward again inside backward. ZeRO-3's forward hooks fire on that
+recomputation too: the pre-hook gathers the layer's parameters, the post-hook partitions them again
+*in place* (``param.data`` becomes an empty tensor). torch's checkpoint detaches the tensors it saves
+during the recomputation only when they require grad, so it still holds the live frozen parameters
+(LoRA's base weights, frozen norms), now of shape ``[0]``, and its metadata check fails:
+``torch.utils.checkpoint.CheckpointError: Recomputed values for the following tensors have different
+metadata than during the forward pass ... recomputed metadata: {'shape': torch.Size([0]) ...}``.
+
+The fix is the behaviour of 0.19.3, put on the 0.19.2 coordinator (``PartitionedParameterCoordinator``):
+
+- a backward fetch of a module (``fetch_sub_module(module, forward=False)``) records it as an active
+  backward module (per coordinator, ordered, keyed by ``ds_id``);
+- a forward fetch that runs inside backward (``torch._C._current_graph_task_id() != -1``: a
+  recomputation) attributes each *frozen* parameter it gathered to the most recent active backward
+  module: the parameter is kept in that module's set and the module's id is added to the parameter's
+  ``ds_active_sub_modules``, so the recomputation's forward release leaves it gathered;
+- the backward release of that module (``release_sub_module(module, forward=False)``) takes the ids off
+  again and partitions the parameters it kept (persistent and external ones excepted, as upstream);
+- at the end of backward (``DeepSpeedZeroOptimizer_Stage3.backward_epilogue``) the parameters kept for
+  modules whose backward release never came are released and the active list is cleared.
+
+Trainable parameters are untouched (torch saves them detached). 0.19.3 also releases, at the end of
+backward, the *own* parameters of modules whose backward release never came; the shim leaves those as
+0.19.2 does. Releases before 0.19.0 lack ``backward_epilogue`` on the ZeRO-3 optimizer: the patch is
+skipped there with that reason.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+from shim import Patch, Target
+from shim.effects import record
+
+from ._arguments import argument
+
+NAME = "zero3-frozen-recompute"
+COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
+_graph_task_id = None  # torch._C._current_graph_task_id, bound on first use (no torch import at module level)
+
+
+class _Attribution:
+    """One coordinator's recompute bookkeeping."""
+
+    __slots__ = ("active", "kept", "lock")
+
+    def __init__(self) -> None:
+        self.active: dict = {}  # ds_id -> module fetched in backward and not yet released, in fetch order
+        self.kept: dict = {}  # ds_id of an active module -> frozen parameters kept gathered for it
+        self.lock = threading.Lock()  # autograd may run hooks of one backward on several threads
+
+
+# coordinator -> _Attribution; weak, so an engine that is gone takes its bookkeeping along.
+_attributions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_attributions_lock = threading.Lock()
+
+
+def _attribution(coordinator) -> _Attribution:
+    found = _attributions.get(coordinator)
+    if found is None:
+        with _attributions_lock:
+            found = _attributions.setdefault(coordinator, _Attribution())
+    return found
+
+
+def _in_backward() -> bool:
+    global _graph_task_id
+    if _graph_task_id is None:
+        import torch
+
+        _graph_task_id = torch._C._current_graph_task_id
+    return _graph_task_id() != -1
+
+
+def _own_parameters(submodule):
+    coordinator = sys.modules[COORDINATOR]
+    return coordinator.iter_params(submodule, recurse=coordinator.z3_leaf_module(submodule))
+
+
+def _fetch_sub_module(wrapped, instance, args, kwargs):
+    submodule = argument(args, kwargs, 0, "current_submodule")
+    if not argument(args, kwargs, 1, "forward"):
+        state = _attribution(instance)
+        with state.lock:
+            state.active[submodule.ds_id] = submodule
+        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    state = _attributions.get(instance)
+    if state is not None and state.active and _in_backward():
+        _keep_for_recomputation(state, submodule)
+    return result
+
+
+def _keep_for_recomputation(state: _Attribution, submodule) -> None:
+    """Attribute ``submodule``'s frozen parameters, just gathered by a recomputation, to the most recent
+    active backward module: the recomputation's forward release then leaves them gathered."""
+    frozen = [param for param in _own_parameters(submodule) if not param.requires_grad]
+    if not frozen:
+        return
+    with state.lock:
+        if not state.active:
+            return
+        owner = next(reversed(state.active.values()))
+        state.kept.setdefault(owner.ds_id, set()).update(frozen)
+    for param in frozen:
+        param.ds_active_sub_modules.add(owner.ds_id)
+    record(
+        NAME,
+        "kept %d frozen parameter(s) of %s gathered through its recomputation in the backward of %s, which "
+        "DeepSpeed %s partitions in place while torch's checkpoint still holds them",
+        len(frozen), type(submodule).__name__, type(owner).__name__, _deepspeed_version(),
+    )  # fmt: skip
+
+
+def _deepspeed_version() -> str:
+    return getattr(sys.modules.get("deepspeed"), "__version__", "<0.19.3")
+
+
+def _release_sub_module(wrapped, instance, args, kwargs):
+    if argument(args, kwargs, 1, "forward", False):
+        return wrapped(*args, **kwargs)
+    state = _attributions.get(instance)
+    if state is None:
+        return wrapped(*args, **kwargs)
+    submodule = argument(args, kwargs, 0, "submodule")
+    with state.lock:
+        state.active.pop(submodule.ds_id, None)
+        kept = state.kept.pop(submodule.ds_id, None)
+    result = wrapped(*args, **kwargs)
+    if kept:
+        _release(instance, submodule, kept)
+    return result
+
+
+def _release(coordinator, submodule, params) -> None:
+    """Release ``params``, kept for ``submodule``, the way upstream releases a module's parameters."""
+    namespace = sys.modules[COORDINATOR]
+    release = coordinator._PartitionedParameterCoordinator__release_param
+    free_data = not namespace.z3_leaf_module(submodule) or not coordinator.fast_sharding_for_leaf_module
+    if not free_data:
+        import torch
+
+        empty_buffer = torch.empty(1, device=torch.device(namespace.get_accelerator().current_device_name()))
+    for param in params:
+        param.ds_active_sub_modules.discard(submodule.ds_id)
+        if not param.ds_persist and not param.is_external_param:
+            release(param, free_data)
+            if not free_data:
+                param.data = empty_buffer
+
+
+def _backward_epilogue(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    offload = getattr(instance, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    state = _attributions.get(coordinator) if coordinator is not None else None
+    if state is not None and state.active:
+        with state.lock:
+            leftovers = [(module, state.kept.pop(module.ds_id, ())) for module in state.active.values()]
+            state.active.clear()
+            state.kept.clear()
+        for module, kept in leftovers:
+            if kept:
+                _release(coordinator, module, kept)
+    return result
+
+
+# -- shape probe -------------------------------------------------------------------------------
+
+
+def _probe_fetch(original):
+    """The coordinator's helpers the wrappers call. (Its methods are wrapped by DeepSpeed's profiling
+    decorators, which hide their signatures: the gate, not a signature, vouches for their arguments.)"""
+    namespace = sys.modules[COORDINATOR]
+    for name in ("iter_params", "z3_leaf_module", "get_accelerator"):
+        if not hasattr(namespace, name):
+            return f"{COORDINATOR} no longer has {name}"
+    if not hasattr(namespace.PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__release_param"):
+        return "PartitionedParameterCoordinator no longer has __release_param"
+    import torch
+
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        return "torch._C._current_graph_task_id does not exist in this torch"
+    return None
+
+
+# -- self-check ------------------------------------------------------------------------------
+
+
+def _self_check() -> bool:
+    """True when one ZeRO-3 rank dies with the ``CheckpointError`` (recomputed shape ``[0]``) on a block
+    with a frozen LayerNorm under non-reentrant checkpointing. Runs in a child process: DeepSpeed needs
+    ``torch.distributed``, which the doctor's own process must not initialise."""
+    from ._deepspeed_cases import reproduces
+
+    return reproduces("frozen-recompute", NAME)
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="ZeRO-3 keeps frozen parameters gathered while non-reentrant checkpointing recomputes "
+    "(CheckpointError: recomputed shape [0]).",
+    distribution="deepspeed",
+    requires="<0.19.3",
+    targets=(
+        Target(
+            f"{COORDINATOR}:PartitionedParameterCoordinator.fetch_sub_module", _fetch_sub_module, probe=_probe_fetch
+        ),
+        Target(f"{COORDINATOR}:PartitionedParameterCoordinator.release_sub_module", _release_sub_module),
+        Target("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.backward_epilogue", _backward_epilogue),
+    ),
+    references=(
+        "docs/bugs.md#zero3-frozen-recompute",
+        "deepspeedai/DeepSpeed#8148",
+        "deepspeedai/DeepSpeed#8130",
+        "huggingface/transformers#47254",
+    ),
+    self_check=_self_check,
+)

@@ -1,0 +1,244 @@
+"""End to end, two CPU ranks over gloo: the distributed family (DeepSpeed ZeRO-3 frozen-parameter recompute,
+ZeRO-3 hooks through delegating wrappers, DDP's find_unused_parameters for PEFT models) and ``shim-run``.
+
+Each run is ``torchrun --nproc_per_node 2`` of ``tests/e2e/lora_trainer.py`` (transformers' Trainer, a PEFT
+LoRA model) or of the GKD example, in a subprocess with a hard timeout; the bug is shown with the one patch
+switched off (``SHIM_DISABLE=<patch>``, every other patch on), the fix with it on. ``bash scripts/e2e.sh``
+runs this module in the e2e environment (DeepSpeed 0.19.2) and its ``zero3`` tests again in the DeepSpeed
+0.19.3 environment, where the two DeepSpeed patches are skipped (outside their gate) and the runs pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, applies, environment, launch, torchrun
+
+pytestmark = pytest.mark.e2e
+
+LORA_TRAINER = Path(__file__).resolve().parent / "lora_trainer.py"
+EXAMPLE = ROOT / "examples" / "gkd_zero3.py"
+FROZEN = "zero3-frozen-recompute"
+DELEGATING = "zero3-delegating-wrapper-hooks"
+DDP = "ddp-find-unused-for-checkpointing"
+STEPS = 3
+DDP_TIMEOUT = 180  # ~15 s
+DEEPSPEED_FIXED = applies("deepspeed", ">=0.19.3")  # DeepSpeed's own fixes (PR #8148, #8144) are in
+FIXED_UPSTREAM = "version rule: DeepSpeed >= 0.19.3 has the fix (PR #8148 / #8144): nothing to show without the patch"
+
+
+def run_lora(tmp_path: Path, backend: str, checkpointing: str, disabled: str = "", *extra: str) -> Run:
+    name = f"{backend}-{checkpointing}-{'-'.join(extra) or 'plain'}-{'off-' + disabled if disabled else 'shim-on'}"
+    log_dir = tmp_path / name.replace("--", "")
+    attempt = 1
+    while log_dir.exists():  # the same configuration run again by the same test
+        attempt += 1
+        log_dir = tmp_path / f"{name.replace('--', '')}-{attempt}"
+    log_dir.mkdir()
+
+    def command(directory: Path) -> list[str]:
+        arguments = (backend, str(directory), "--checkpointing", checkpointing, "--max-steps", str(STEPS), *extra)
+        return torchrun(LORA_TRAINER, directory, *arguments)
+
+    timeout = ZERO3_TIMEOUT if backend == "zero3" else DDP_TIMEOUT
+    return launch(command, log_dir, environment(disabled), timeout, records="lora-rank")
+
+
+def assert_completed(run_: Run) -> None:
+    assert run_.returncode == 0, run_.describe()
+    assert f"done: {STEPS} optimizer steps" in run_.text, run_.describe()
+    assert sorted(run_.reports) == [0, 1], run_.describe()
+    for rank, report in run_.reports.items():
+        assert len(report["losses"]) == STEPS and all(math.isfinite(x) for x in report["losses"]), (rank, report)
+
+
+def assert_states(run_: Run, **expected: str) -> None:
+    for rank, report in run_.reports.items():
+        for name, state in expected.items():
+            assert report["shim"][name.replace("_", "-")] == state, f"rank {rank}: {report['shim']}"
+
+
+def deepspeed_patch_state() -> str:
+    return "skipped" if DEEPSPEED_FIXED else "applied"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO-3 + LoRA with transformers' default checkpointing (non-reentrant on 5.x).
+
+
+@pytest.mark.skipif(DEEPSPEED_FIXED, reason=FIXED_UPSTREAM)
+def test_zero3_default_checkpointing_crashes_without_the_patch(tmp_path):
+    crashed = run_lora(tmp_path, "zero3", "default", FROZEN)
+
+    assert crashed.returncode != 0, f"bug: expected the CheckpointError\n{crashed.describe()}"
+    assert "torch.utils.checkpoint.CheckpointError" in crashed.text, crashed.describe()
+    assert "Recomputed values for the following tensors have different metadata" in crashed.text
+    assert "'shape': torch.Size([0])" in crashed.text, crashed.describe()  # the partitioned frozen parameter
+    assert all(report["losses"] == [] for report in crashed.reports.values()), "no optimizer step may complete"
+    assert_states(crashed, zero3_frozen_recompute="disabled")
+
+
+def same_losses(first: Run, second: Run) -> bool:
+    return all(
+        first.reports[rank]["losses"] == pytest.approx(second.reports[rank]["losses"], rel=1e-5) for rank in (0, 1)
+    )
+
+
+def test_zero3_default_checkpointing_trains_like_no_checkpointing(tmp_path):
+    checkpointed = run_lora(tmp_path, "zero3", "default")
+    reference = run_lora(tmp_path, "zero3", "off")
+    assert_completed(checkpointed)
+    assert_completed(reference)
+    if not same_losses(checkpointed, reference):
+        # DeepSpeed 0.19.2's ZeRO-3 on CPU ranks now and then computes a whole run's losses wrong, with or without
+        # the shim, with or without checkpointing (measured: 1 of 16 runs with the DeepSpeed patches off and no
+        # checkpointing; the other 15 bit-identical). Both runs again tell such a run from a wrong fix.
+        warnings.warn(
+            f"losses differ ({checkpointed.log_dir}, {reference.log_dir}): both runs started again", stacklevel=1
+        )
+        checkpointed = run_lora(tmp_path, "zero3", "default")
+        reference = run_lora(tmp_path, "zero3", "off")
+
+    assert_states(checkpointed, zero3_frozen_recompute=deepspeed_patch_state())
+    for rank in (0, 1):
+        assert checkpointed.reports[rank]["losses"] == pytest.approx(reference.reports[rank]["losses"], rel=1e-5)
+    kept = checkpointed.reports[0]["effects"].get(FROZEN, 0)
+    assert kept == 0 if DEEPSPEED_FIXED else kept > 0  # frozen parameters kept gathered through recomputation
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ZeRO-3 + LoRA with modules_to_save=["lm_head"] (PEFT's ModulesToSaveWrapper forwards attribute lookups).
+
+
+@pytest.mark.skipif(DEEPSPEED_FIXED, reason=FIXED_UPSTREAM)
+def test_zero3_modules_to_save_crashes_without_the_patch(tmp_path):
+    crashed = run_lora(tmp_path, "zero3", "default", DELEGATING, "--modules-to-save", "lm_head")
+
+    assert crashed.returncode != 0, f"bug: expected the AttributeError\n{crashed.describe()}"
+    assert "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'" in crashed.text, crashed.describe()
+    assert_states(crashed, zero3_delegating_wrapper_hooks="disabled")
+
+
+def test_zero3_modules_to_save_trains_with_the_shim(tmp_path):
+    trained = run_lora(tmp_path, "zero3", "default", "", "--modules-to-save", "lm_head")
+
+    assert_completed(trained)
+    assert_states(trained, zero3_delegating_wrapper_hooks=deepspeed_patch_state())
+    given_own_hooks = trained.reports[0]["effects"].get(DELEGATING, 0)
+    # PeftModel, its LoraModel and the lm_head's ModulesToSaveWrapper all forward attribute lookups.
+    assert given_own_hooks == 0 if DEEPSPEED_FIXED else given_own_hooks == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DDP (no DeepSpeed) + PeftModel: the Trainer's find_unused_parameters.
+
+
+def test_ddp_reentrant_peft_crashes_without_the_patch(tmp_path):
+    crashed = run_lora(tmp_path, "ddp", "reentrant", DDP)
+
+    assert crashed.returncode != 0, f"bug: expected DDP to fail\n{crashed.describe()}"
+    assert "RuntimeError: Expected to mark a variable ready only once" in crashed.text, crashed.describe()
+    assert all(report["find_unused_parameters"] is True for report in crashed.reports.values())
+
+
+def test_ddp_reentrant_peft_trains_with_the_patch(tmp_path):
+    trained = run_lora(tmp_path, "ddp", "reentrant")
+
+    assert_completed(trained)
+    assert all(report["find_unused_parameters"] is False for report in trained.reports.values())
+    assert trained.reports[0]["effects"].get(DDP) == 1
+
+
+def test_ddp_non_reentrant_peft_keeps_upstreams_choice(tmp_path):
+    trained = run_lora(tmp_path, "ddp", "non-reentrant")
+
+    assert_completed(trained)
+    assert all(report["find_unused_parameters"] is True for report in trained.reports.values())
+    assert DDP not in trained.reports[0]["effects"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shim-run: the GKD example with its `import shim` line taken out, under torchrun.
+
+
+def unmodified_example(directory: Path) -> Path:
+    """The example as trl's GKD example is: without its ``import shim`` line."""
+    lines = EXAMPLE.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not line.startswith("import shim")]
+    assert len(kept) == len(lines) - 1, "the example has exactly one `import shim` line"
+    script = directory / "gkd_zero3.py"
+    script.write_text("".join(kept))
+    return script
+
+
+def run_unmodified_gkd_zero3(tmp_path: Path, with_shim_run: bool) -> Run:
+    log_dir = tmp_path / ("shim-run" if with_shim_run else "plain")
+    log_dir.mkdir()
+    script = unmodified_example(tmp_path)
+
+    def command(directory: Path) -> list[str]:
+        arguments = (
+            "--output-dir",
+            str(directory / "output"),
+            "--max-steps",
+            "2",
+            "--checkpointing-log",
+            str(directory),
+        )
+        launcher = [str(Path(sys.executable).with_name("shim-run"))] if with_shim_run else []
+        return [*launcher, *torchrun(script, directory, *arguments)]
+
+    return launch(command, log_dir, environment(), ZERO3_TIMEOUT)
+
+
+@pytest.mark.skipif(
+    not (applies("trl", "<1.16") and applies("deepspeed", "<=0.19.2")),
+    reason="version rule: the GKD example crashes without the shim with trl <= 1.15 and deepspeed <= 0.19.2",
+)
+def test_unmodified_gkd_zero3_crashes_without_shim_run(tmp_path):
+    crashed = run_unmodified_gkd_zero3(tmp_path, with_shim_run=False)
+
+    assert crashed.returncode != 0, crashed.describe()
+    assert "torch.utils.checkpoint.CheckpointError" in crashed.text, crashed.describe()
+    assert all(report["shim"] == {} for report in crashed.reports.values()), "the shim must not be loaded"
+
+
+def test_unmodified_gkd_zero3_completes_under_shim_run(tmp_path):
+    completed = run_unmodified_gkd_zero3(tmp_path, with_shim_run=True)
+
+    assert completed.returncode == 0, completed.describe()
+    assert "done: 2 optimizer steps" in completed.text, completed.describe()
+    assert sorted(completed.reports) == [0, 1]
+    for report in completed.reports.values():  # every rank imported the shim before trl and transformers
+        assert report["shim"]["checkpointing-restore"] == "applied"
+        assert report["shim"][FROZEN] == deepspeed_patch_state()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# doctor: the DeepSpeed patches' self-checks (one ZeRO-3 rank in a child process each).
+
+
+def test_zero3_doctor_self_checks(tmp_path):
+    code = (
+        "import json, shim\n"
+        "from shim import doctor\n"
+        f"print(json.dumps([doctor.examine(shim.registry, name).as_dict() for name in {[FROZEN, DELEGATING]!r}]))\n"
+    )
+    env = environment()
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=2 * ZERO3_TIMEOUT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    findings = {finding["name"]: finding for finding in json.loads(done.stdout.strip().splitlines()[-1])}
+    for name in (FROZEN, DELEGATING):
+        if DEEPSPEED_FIXED:
+            assert findings[name]["state"] == "skipped" and findings[name]["verdict"] == "not affected", findings
+        else:
+            assert findings[name]["verdict"] == "fixed", findings[name]

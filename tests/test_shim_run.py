@@ -1,0 +1,183 @@
+"""``shim-run <command>`` / ``python -m shim run -- <command>``: the shim imported first in every Python process
+the command starts, the user's own sitecustomize still run, exit status and signals the command's own."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shim.run import SITECUSTOMIZE_DIR, environment
+from tests.conftest import ROOT
+
+SHIM_RUN = Path(sys.executable).with_name("shim-run")
+LAUNCHERS = {"shim-run": [str(SHIM_RUN)], "python -m shim run --": [sys.executable, "-m", "shim", "run", "--"]}
+
+# Printed by a child interpreter before it imports anything itself.
+REPORT = """
+import json, os, sys
+print(json.dumps({"shim": "shim" in sys.modules, "pid": os.getpid(), "tag": TAG,
+                  "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None)}), flush=True)
+"""
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    if not SHIM_RUN.exists():
+        pytest.fail(f"{SHIM_RUN} is missing: reinstall the shim (bash scripts/setup.sh) to get its console script")
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
+    env.update(extra)
+    return env
+
+
+def launch(launcher: str, command: list, env: dict | None = None, cwd=ROOT, timeout: int = 120):
+    return subprocess.run(
+        [*LAUNCHERS[launcher], *command],
+        env=clean_env() if env is None else env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def reports(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_exit_status_and_signals_are_the_commands(launcher):
+    assert launch(launcher, ["sh", "-c", "exit 7"]).returncode == 7
+    # The shim process becomes the command (exec): a signal that ends the command ends "shim-run" with it.
+    assert launch(launcher, ["sh", "-c", "kill -TERM $$"]).returncode == -signal.SIGTERM
+    missing = launch(launcher, ["no-such-command-for-shim-run"])
+    assert missing.returncode == 127 and "command not found: no-such-command-for-shim-run" in missing.stderr
+
+
+def test_without_a_command_it_prints_its_usage():
+    assert launch("shim-run", []).returncode == 2
+    usage = launch("shim-run", ["--help"])
+    assert usage.returncode == 0 and "usage: shim-run <command>" in usage.stdout
+    assert max(len(line) for line in usage.stdout.splitlines()) <= 100
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_every_python_process_of_the_command_has_the_shim_first(launcher, tmp_path):
+    """The command, a subprocess it starts, and a multiprocessing 'spawn' worker (a fresh interpreter)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import multiprocessing, subprocess, sys
+
+            def worker():
+                TAG = "spawned worker"
+                exec({REPORT!r})
+
+            if __name__ == "__main__":
+                TAG = "command"
+                exec({REPORT!r})
+                subprocess.run([sys.executable, "-c", "TAG = 'subprocess'\\n" + {REPORT!r}], check=True)
+                process = multiprocessing.get_context("spawn").Process(target=worker)
+                process.start()
+                process.join()
+            """
+        )
+    )
+    done = launch(launcher, [sys.executable, str(script)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = {report["tag"]: report for report in reports(done.stdout)}
+    assert set(seen) == {"command", "subprocess", "spawned worker"}
+    assert all(report["shim"] for report in seen.values()), seen
+    assert len({report["pid"] for report in seen.values()}) == 3
+
+
+def test_without_shim_run_the_same_command_has_no_shim(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", f"TAG = 'plain'\n{REPORT}"], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert reports(done.stdout)[0]["shim"] is False
+
+
+def test_the_users_sitecustomize_still_runs_after_the_shim(tmp_path):
+    user = tmp_path / "user-site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(
+        "import sys\nprint('user sitecustomize; shim already imported:', 'shim' in sys.modules, flush=True)\n"
+    )
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(user), str(ROOT)]))
+    done = launch("shim-run", [sys.executable, "-c", f"TAG = 'command'\n{REPORT}"], env=env)
+    assert done.returncode == 0, done.stderr
+    # The last line is the command's; shim-run's own launcher interpreter ran the user's module too, before exec.
+    assert done.stdout.splitlines()[-2] == "user sitecustomize; shim already imported: True"
+    report = reports(done.stdout)[-1]
+    assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
+
+
+def test_pythonpath_gets_the_directory_once_first_and_keeps_the_rest():
+    base = {"PYTHONPATH": os.pathsep.join(["/a", SITECUSTOMIZE_DIR, "/b"])}
+    assert environment(base)["PYTHONPATH"] == os.pathsep.join([SITECUSTOMIZE_DIR, "/a", "/b"])
+    assert environment({})["PYTHONPATH"] == SITECUSTOMIZE_DIR
+    assert environment(environment({"PYTHONPATH": "/a"})) == environment({"PYTHONPATH": "/a"})  # nested shim-run
+
+
+SCRIPT_WITH_IMPORT_SHIM = """
+import json
+import shim
+import transformers.modeling_utils, transformers.modeling_layers
+from shim import wrapping
+
+def layers(obj, name):
+    count = 0
+    while obj is not None:
+        count += wrapping.patch_name_of(obj) == name
+        obj = getattr(obj, "__wrapped__", None)
+    return count
+
+counts = {}
+for status in shim.status():
+    for spec in status.targets if status.state == "applied" else ():
+        module, _, path = spec.partition(":")
+        try:
+            target = wrapping.resolve(__import__(module, fromlist=["_"]), path)
+        except Exception:
+            continue  # a target left alone on this release
+        counts[spec] = layers(target, status.name)
+print(json.dumps(counts))
+"""
+
+
+def test_a_script_that_imports_the_shim_itself_gets_no_second_layer(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_WITH_IMPORT_SHIM)
+    plain = subprocess.run(
+        [sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    under = launch("shim-run", [sys.executable, str(script)], cwd=tmp_path, timeout=300)
+    assert plain.returncode == 0 and under.returncode == 0, plain.stderr + under.stderr
+    counts = json.loads(under.stdout.splitlines()[-1])
+    assert counts and max(counts.values()) == 1, counts  # 0: a target this release leaves alone
+    assert counts == json.loads(plain.stdout.splitlines()[-1])
+
+
+def test_shim_switches_pass_through():
+    code = "import json, shim; print(json.dumps(sorted({s.state for s in shim.status()})))"
+    done = launch("shim-run", [sys.executable, "-c", code], env=clean_env(SHIM_DISABLE="all"))
+    assert json.loads(done.stdout.splitlines()[-1]) == ["disabled"], done.stdout + done.stderr
+
+
+def test_every_torchrun_rank_has_the_shim(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text("import os\nTAG = 'rank ' + os.environ['RANK']\n" + REPORT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = launch("shim-run", command, env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    seen = {report["tag"]: report["shim"] for report in reports(done.stdout)}
+    assert seen == {"rank 0": True, "rank 1": True}
