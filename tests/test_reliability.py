@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import shim
+from shim import patches as catalogue
 from shim.patches._checkpointing import ModelState, disable, enable, layer_state
 from shim.selfcheck import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_name_of
@@ -378,6 +379,7 @@ def build():
     return modeling_llama.LlamaForCausalLM(config)
 steps = {steps!r}
 order = {order!r}
+TARGET_MODULES = {targets!r}
 def run(step):
     exec(steps[step], globals())
 if {threads}:
@@ -401,7 +403,12 @@ if {threads}:
 else:
     for step in order:
         run(step)
-import shim, transformers, trl.models.utils, transformers.modeling_utils, transformers.modeling_layers
+import shim, importlib, importlib.util
+for target_module in TARGET_MODULES:  # every target module there is, as in the test's process
+    try:
+        importlib.import_module(target_module)
+    except ImportError:
+        pass
 from shim import importhooks
 from shim.wrapping import patch_name_of
 import wrapt
@@ -437,6 +444,7 @@ def permutations() -> list:
 
 
 CASES = permutations()
+TARGET_MODULES = sorted({module for row in catalogue.INDEX for module in row[4]})
 
 
 def case_id(case) -> str:
@@ -452,7 +460,8 @@ def permutation_results():
     def run(case):
         order, meta, threads = case
         try:
-            return run_script(PERMUTATION.format(meta=meta, steps=STEPS, order=order, threads=threads), timeout=240)
+            code = PERMUTATION.format(meta=meta, steps=STEPS, order=order, threads=threads, targets=TARGET_MODULES)
+            return run_script(code, timeout=240)
         except BaseException as exc:  # pytest.fail inside a pool thread: report it in the case's test
             return {"error": repr(exc)}
 
@@ -464,8 +473,11 @@ def permutation_results():
 def test_every_import_order_ends_with_each_patch_applied_once_and_the_fix_shown(index, permutation_results):
     out = permutation_results[index]
     assert "error" not in out, out.get("error")
-    for name in ("trl.models.utils", "transformers.modeling_utils", "transformers.modeling_layers"):
-        importlib.import_module(name)  # as in the subprocess, so the states compare
+    for name in TARGET_MODULES:  # as in the subprocess, so the states compare
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     expected = {s.name: s.state for s in shim.status() if s.name in out["states"]}
     assert out["states"] == expected, "the same states as in this process, whatever the order"
     assert set(out["layers"].values()) <= {0, 1} and 1 in out["layers"].values(), out["layers"]

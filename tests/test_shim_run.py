@@ -175,9 +175,14 @@ def test_shim_switches_pass_through():
 
 def test_every_torchrun_rank_has_the_shim(tmp_path):
     script = tmp_path / "ranks.py"
-    script.write_text("import os\nTAG = 'rank ' + os.environ['RANK']\n" + REPORT)
+    # Each rank writes its own file: two ranks printing at once can interleave on one stdout line.
+    script.write_text(
+        "import os, sys\nTAG = 'rank ' + os.environ['RANK']\n"
+        "sys.stdout = open(f'report-{os.environ[\"RANK\"]}.json', 'w')\n" + REPORT
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     done = launch("shim-run", command, env=clean_env(OMP_NUM_THREADS="1"), cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr
-    seen = {report["tag"]: report["shim"] for report in reports(done.stdout)}
+    written = "\n".join(path.read_text() for path in sorted(tmp_path.glob("report-*.json")))
+    seen = {report["tag"]: report["shim"] for report in reports(written)}
     assert seen == {"rank 0": True, "rank 1": True}
