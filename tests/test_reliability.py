@@ -54,8 +54,10 @@ def run_script(code: str, timeout: int = 120, env: dict | None = None) -> dict:
 
 THREADED_IMPORTS = """
 import importlib, json, sys, threading
-import shim
-from shim import importhooks
+with_shim = {with_shim!r}
+if with_shim:
+    import shim
+    from shim import importhooks
 names = {names!r}
 errors, threads = [], []
 barrier = threading.Barrier(len(names))
@@ -72,10 +74,26 @@ for thread in threads:
 for thread in threads:
     thread.join(90)
 alive = [thread.is_alive() for thread in threads]
-importhooks.wait(30)
-print(json.dumps({{"alive": alive, "errors": errors,
-                  "states": {{s.name: s.state for s in shim.status()}}}}))
+states = {{}}
+if with_shim:
+    importhooks.wait(30)
+    for name in names:  # one thread at a time now: what a failed import left undone
+        importlib.import_module(name)
+    importhooks.wait(30)
+    states = {{s.name: s.state for s in shim.status()}}
+print(json.dumps({{"alive": alive, "errors": errors, "states": states}}))
 """
+
+#: What a thread meets when another is still executing a module it needs (Python's deadlock
+#: avoidance hands it the partially initialised module): the failures of an upstream that is not
+#: safe to import from several threads at once, with or without the shim.
+PARTIAL_MODULE_ERRORS = ("ImportError", "AttributeError", "KeyError")
+
+
+@functools.lru_cache(maxsize=None)
+def upstream_threaded_errors(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The errors of the same threaded imports without the shim, in this environment (measured once)."""
+    return tuple(run_script(THREADED_IMPORTS.format(names=list(names), with_shim=False), timeout=150)["errors"])
 
 
 @pytest.mark.parametrize(
@@ -88,9 +106,16 @@ print(json.dumps({{"alive": alive, "errors": errors,
 )
 @pytest.mark.parametrize("attempt", range(3))
 def test_threads_importing_transformers_and_its_modules_at_once_finish(names, attempt):
-    out = run_script(THREADED_IMPORTS.format(names=names), timeout=150)
-    assert out["alive"] == [False] * len(names) and out["errors"] == []
-    assert "failed" not in out["states"].values()
+    out = run_script(THREADED_IMPORTS.format(names=names, with_shim=True), timeout=150)
+    assert out["alive"] == [False] * len(names), "a thread hung: the shim deadlocked the imports"
+    upstream = upstream_threaded_errors(tuple(names))
+    if upstream:
+        # Measured: transformers 4.57 and trl 0.25 imported from two threads at once fail without
+        # the shim too. The shim may then add no other kind of failure.
+        assert all(error.startswith(PARTIAL_MODULE_ERRORS) for error in out["errors"]), (out["errors"], upstream)
+    else:
+        assert out["errors"] == []
+    assert "failed" not in out["states"].values() and "applied" in out["states"].values(), out["states"]
 
 
 RACE = """
@@ -384,13 +409,14 @@ def run(step):
     exec(steps[step], globals())
 if {threads}:
     # transformers itself is not safe to import from several threads at once: with or without the
-    # shim, a thread can meet a partially initialised module (ImportError, AttributeError). Such a
-    # step runs again once the others are done; a hang or any other error fails the test.
+    # shim, a thread can meet a partially initialised module (ImportError, AttributeError; KeyError
+    # for a parent package that a failed import took out of sys.modules). Such a step runs again
+    # once the others are done; a hang or any other error fails the test.
     failed, errors = [], []
     def guarded(step):
         try:
             run(step)
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError, KeyError):
             failed.append(step)
         except BaseException as exc:
             errors.append(repr(exc))
