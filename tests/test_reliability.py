@@ -90,7 +90,7 @@ print(json.dumps({{"alive": alive, "errors": errors, "states": states}}))
 PARTIAL_MODULE_ERRORS = ("ImportError", "AttributeError", "KeyError")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def upstream_threaded_errors(names: tuple[str, ...]) -> tuple[str, ...]:
     """The errors of the same threaded imports without the shim, in this environment (measured once)."""
     return tuple(run_script(THREADED_IMPORTS.format(names=list(names), with_shim=False), timeout=150)["errors"])
