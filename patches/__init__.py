@@ -50,4 +50,12 @@ INDEX = (
         "<0.19.3",
         ("deepspeed.runtime.zero.parameter_offload",),
     ),
+    (
+        "reentrant-frozen-input-grads",
+        "reentrant_frozen_input_grads",
+        "transformers",
+        ">=4.57",
+        ("transformers.modeling_layers",),
+    ),
+    ("frozen-tower-input-grads", "frozen_tower_input_grads", "transformers", ">=5.0", ("transformers.modeling_utils",)),
 )

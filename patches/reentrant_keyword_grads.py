@@ -47,45 +47,27 @@ A layer's ``forward`` called directly (not through the module call) is not cover
 from __future__ import annotations
 
 import functools
-import sys
 
 from shim import Patch, Target
 from shim.effects import record
 
-from ._checkpointing import is_reentrant  # the rule every reentrancy decision shares
+from . import _reentrant
+from ._checkpointing import is_reentrant  # noqa: F401  (the shared reentrancy rule, re-exported for tests)
+from ._reentrant import StandIn, divert, reentrant_function, torch_module
+from ._reentrant import probe as _probe
+from ._reentrant import wants_grad as _wants_grad
 
 NAME = "reentrant-keyword-grads"
-_ATTRIBUTE = "_gradient_checkpointing_func"
 _partial = functools.partial
-_torch = None  # bound on first use: the patch module must not import torch at import time
-
-
-def _torch_module():
-    global _torch
-    if _torch is None:
-        import torch
-
-        _torch = torch
-    return _torch
+_torch_module = torch_module
 
 
 # -- finding and putting back the tensors ------------------------------------------------------
 
 
-def _wants_grad(value) -> bool:
-    """Whether ``value`` holds a tensor that requires grad, in tuples, lists and dicts."""
-    if isinstance(value, _torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return any(_wants_grad(item) for item in value)
-    if type(value) is dict:
-        return any(_wants_grad(item) for item in value.values())
-    return False
-
-
 def _lift(value, lifted: list):
     """A template of ``value``: grad-requiring tensors appended to ``lifted``, their places marked."""
-    if isinstance(value, _torch.Tensor):
+    if isinstance(value, _reentrant._torch.Tensor):
         if value.requires_grad:
             lifted.append(value)
             return _Slot(len(lifted) - 1)
@@ -141,14 +123,11 @@ def _fill(template, tensors):
 # -- deciding ----------------------------------------------------------------------------------
 
 
-class _Lifting:
-    """Stands in for a layer's checkpoint function during one diverted call."""
+class _Lifting(StandIn):
+    """Stands in for a layer's checkpoint function during one diverted call: grad-requiring
+    keyword tensors become checkpoint inputs."""
 
-    __slots__ = ("original", "layer")
-
-    def __init__(self, original, layer: str) -> None:
-        self.original = original
-        self.layer = layer  # the class name, for the effects ledger
+    __slots__ = ()
 
     def __call__(self, function, *args, **options):
         original = self.original
@@ -176,82 +155,17 @@ class _Lifting:
 
 def _call(wrapped, instance, args, kwargs):
     if kwargs and instance.gradient_checkpointing and instance.training:
-        if _torch is None:
-            _torch_module()
-        if any(_wants_grad(value) for value in kwargs.values()) and _torch.is_grad_enabled():
-            function = _reentrant_function(instance)
+        torch = _reentrant._torch or torch_module()
+        if any(_wants_grad(value) for value in kwargs.values()) and torch.is_grad_enabled():
+            function = reentrant_function(instance)
             if function is not None:
                 return _diverted(wrapped, instance, function, args, kwargs)
     return wrapped(*args, **kwargs)
 
 
-def _reentrant_function(instance):
-    """The layer's checkpoint function if it is reentrant, else ``None`` (also when it has none:
-    upstream then raises its own error)."""
-    function = instance.__dict__.get(_ATTRIBUTE, None)
-    if function is None:
-        function = getattr(instance, _ATTRIBUTE, None)
-    if type(function) is _Lifting:  # another thread's diverted call on this very layer
-        function = function.original
-    if function is None or not is_reentrant(function):
-        return None
-    return function
-
-
 def _diverted(wrapped, instance, function, args, kwargs):
     """Run the layer's call with its checkpoint function swapped for a lifting one."""
-    state = instance.__dict__
-    own = _ATTRIBUTE in state
-    lifting = _Lifting(function, type(instance).__name__)
-    state[_ATTRIBUTE] = lifting
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        if state.get(_ATTRIBUTE) is lifting:  # undone by identity: only our own swap
-            if own:
-                state[_ATTRIBUTE] = function
-            else:
-                del state[_ATTRIBUTE]
-
-
-# -- shape probe -------------------------------------------------------------------------------
-
-
-def _probe():
-    """The layer must call ``_gradient_checkpointing_func(partial(fn, **kwargs), *args)``."""
-    torch = _torch_module()
-    layers = sys.modules["transformers.modeling_layers"]
-
-    class _ProbeLayer(layers.GradientCheckpointingLayer):
-        def forward(self, first, second=None):
-            return first + second
-
-    seen = []
-
-    def record(function, *args, **options):
-        seen.append((function, args, options))
-        return function(*args)
-
-    # Whatever the import happened in (a ``torch.device("meta")`` block for big-model init, a
-    # changed default dtype, no_grad or inference mode), the probe runs on CPU float32 with grad on.
-    with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
-        layer = _ProbeLayer()
-        layer.train()
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = record
-        first = torch.zeros(1, dtype=torch.float32, device="cpu")
-        second = torch.ones(1, dtype=torch.float32, device="cpu")
-        result = layer(first, second=second)
-    if len(seen) != 1:
-        return f"GradientCheckpointingLayer called _gradient_checkpointing_func {len(seen)} times, not once"
-    function, args, options = seen[0]
-    if not isinstance(function, _partial) or function.keywords.get("second") is not second:
-        return "GradientCheckpointingLayer no longer hands keyword arguments over in a functools.partial"
-    if len(args) != 1 or args[0] is not first or options:
-        return "GradientCheckpointingLayer no longer hands positional arguments over as *args"
-    if not torch.equal(result, first + second):
-        return "GradientCheckpointingLayer's checkpoint function result is not the layer's output"
-    return None
+    return divert(wrapped, instance, _Lifting(function, type(instance).__name__), args, kwargs)
 
 
 # -- demonstration (self-check, tests) ---------------------------------------------------------

@@ -22,6 +22,8 @@ from .switch import Switch
 # Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
 _PATCH_ATTRIBUTE = "_self_shim_patch"
 _SWITCH_ATTRIBUTE = "_self_shim_switch"
+# Marks the function that stands for an inherited method under a layer (see _inherited).
+_DISPATCH_ATTRIBUTE = "__shim_inherited_dispatch__"
 
 
 PathResolutionError = wrapt.PathResolutionError
@@ -130,7 +132,16 @@ def _inherited(owner: type, attribute: str, original: Any) -> Any:
     functools.update_wrapper(dispatch, original)
     dispatch.__module__ = owner.__module__
     dispatch.__qualname__ = f"{owner.__qualname__}.{attribute}"
+    setattr(dispatch, _DISPATCH_ATTRIBUTE, True)
     return dispatch
+
+
+def _drop_dispatch(owner: object, attribute: str) -> None:
+    """Delete a dispatch of :func:`_inherited` left in ``owner``'s own namespace, so the method is
+    inherited again. It is left there when two layers stacked on an inherited method are removed
+    inner first: wrapt splices the inner one out, and the outer one then restores what it wrapped."""
+    if isinstance(owner, type) and getattr(vars(owner).get(attribute), _DISPATCH_ATTRIBUTE, False):
+        delattr(owner, attribute)
 
 
 def install(module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch) -> Any:
@@ -159,6 +170,11 @@ def remove(module: object, path: str, handle: object) -> str | None:
         # A non-wrapt wrapper (e.g. a functools.wraps closure) holds ours: it cannot be spliced
         # out, so it stays in place switched off, which makes it a plain pass-through.
         return str(exc)
+    try:
+        parent, attribute, _current = wrapt.resolve_path(module, path)
+    except wrapt.PathResolutionError:
+        return None
+    _drop_dispatch(parent, attribute)
     return None
 
 

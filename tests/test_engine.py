@@ -161,6 +161,41 @@ def test_one_layer_however_often_and_by_whomever_activated(fake_modules):
     assert shim_layers(module.f) == [] and module.f(3) == 3
 
 
+INHERITED = """
+class Base:
+    def __call__(self, x):
+        return x
+
+class Layer(Base):
+    pass
+"""
+
+
+@pytest.mark.parametrize("order", ["inner first", "outer first"])
+def test_two_patches_stacked_on_an_inherited_method_leave_it_inherited_when_removed(fake_modules, order):
+    # Two patches on one inherited method (as reentrant-keyword-grads and reentrant-frozen-input-grads
+    # on GradientCheckpointingLayer.__call__, which is nn.Module's from transformers 5.23).
+    pkg = fake_modules(target=INHERITED)
+    module = importlib.import_module(f"{pkg}.target")
+    inner, outer = (make_patch(pkg, "target:Layer.__call__", name=n) for n in ("inner", "outer"))
+    registry = Registry([inner, outer])
+    registry.activate()
+    assert "__call__" in vars(module.Layer) and module.Layer()(1) == ("outer", ("inner", 1))
+    assert module.Base()(1) == 1
+
+    for name in ("inner", "outer") if order == "inner first" else ("outer", "inner"):
+        registry.disable(name)
+        registry._remove(registry._entries[name])  # what deactivate() does, one patch at a time
+    assert "__call__" not in vars(module.Layer), "the class inherits the method again"
+    assert module.Layer()(1) == 1
+
+    registry.deactivate()
+    registry.enable()
+    assert module.Layer()(1) == ("outer", ("inner", 1))
+    registry.deactivate()
+    assert "__call__" not in vars(module.Layer)
+
+
 def test_deactivate_removes_only_our_layer_under_a_third_party_wrapper(fake_modules):
     pkg = fake_modules(target=TARGET)
     module = importlib.import_module(f"{pkg}.target")

@@ -24,6 +24,9 @@ from shim.selfcheck import quiet_transformers, tiny_llama_config
 from tests.conftest import run_python
 
 NAME = "reentrant-keyword-grads"
+# Upstream, on this target: the patch and the one stacked with it (which acts when no input
+# requires grad, so on the layers after one whose keyword gradients upstream lost).
+UPSTREAM = (NAME, "reentrant-frozen-input-grads")
 VERSION = Version(transformers.__version__)
 GradientCheckpointingLayer = transformers.modeling_layers.GradientCheckpointingLayer
 quiet_transformers()
@@ -83,7 +86,7 @@ def test_keyword_hidden_states_get_their_gradients():
     assert len(reference) == 30 and all(grad is not None for grad in reference.values())
 
     enable_checkpointing(model, {"use_reentrant": True})
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         upstream = keyword_driven_grads(model, ids)
     patched = keyword_driven_grads(model, ids)
 
@@ -158,7 +161,7 @@ def test_every_checkpoint_function(how, reentrant, monkeypatch, diversions):
     function = model.model.layers[0]._gradient_checkpointing_func
     assert is_reentrant(function) is reentrant
 
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         upstream = keyword_driven_grads(model, ids)
     patched = keyword_driven_grads(model, ids)
 
@@ -249,7 +252,7 @@ def requires_grad_somewhere(spec):
 
 
 def upstream_is_wrong(spec, reentrant, expected):
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         try:
             upstream = run(spec, reentrant)[1]
         except RuntimeError:  # "element 0 of tensors does not require grad": nothing reached the output
@@ -379,7 +382,7 @@ def test_layers_are_really_recomputed():
             hidden = layer(hidden, position_ids=positions, position_embeddings=embeddings)
         hidden.sum().backward()
 
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         upstream_mlp, _ = counted(lambda: keyword_driven_grads(model, ids))
     patched_mlp, patched_layer = counted(lambda: keyword_driven_grads(model, ids))
     positional_mlp, positional_layer = counted(positional)
@@ -403,7 +406,7 @@ def test_full_model_steps_unchanged(reentrant, diversions):
         model(ids, labels=ids).loss.backward()
         return {name: p.grad for name, p in model.named_parameters()}
 
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         upstream = step()
     patched = step()
     assert diversions == [], "transformers' own model calls must not be diverted"
@@ -419,7 +422,7 @@ def test_dropout_gradients_match_with_preserved_rng_state():
     assert wrong_grads(reference, again), "dropout must actually change the gradients"
 
     enable_checkpointing(model, {"use_reentrant": True, "preserve_rng_state": True})
-    with shim.disabled(NAME):
+    with shim.disabled(*UPSTREAM):
         assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3)), "bug upstream"
     assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3)) == []
 
@@ -461,7 +464,10 @@ def test_deactivate_restores_the_class():
         original = vars(m.GradientCheckpointingLayer).get("__call__")  # None from 5.23: inherited
         import shim
         assert shim.registry.is_on("reentrant-keyword-grads")
-        assert vars(m.GradientCheckpointingLayer)["__call__"]._self_shim_patch == "reentrant-keyword-grads"
+        from shim.wrapping import find_shim_wrapper
+        layer = vars(m.GradientCheckpointingLayer)["__call__"]
+        assert find_shim_wrapper(layer, "reentrant-keyword-grads") is not None
+        assert find_shim_wrapper(layer, "reentrant-frozen-input-grads") is not None  # stacked on it
         shim.deactivate()
         assert vars(m.GradientCheckpointingLayer).get("__call__") is original
         shim.activate()

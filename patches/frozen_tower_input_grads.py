@@ -1,0 +1,235 @@
+"""``frozen-tower-input-grads``: a frozen sub-model's input embeddings are not made to require grad.
+
+Upstream bug (transformers 5.0 – 5.24 at least; docs/bugs.md#frozen-tower-input-grads): from 5.0,
+``PreTrainedModel.enable_input_require_grads()`` registers its forward hook (which marks the output
+as requiring grad) on the input embeddings of *every* ``PreTrainedModel`` inside the model, not
+only the model's own: a vision tower's ``patch_embed`` included. Enabling gradient checkpointing
+calls it for every model whose ``main_input_name`` is ``input_ids``, PEFT and trl call it too. With
+the vision tower frozen (the usual LoRA set-up of a VLM), its output then requires grad and
+backward runs through every frozen vision block for nothing: time and activation memory, and no
+gradient comes out of it. 4.57 hooked only the model's own input embeddings.
+
+The fix wraps the same method as ``input-grad-hook-dedupe`` (they stack; each can be switched off).
+After upstream registered its hooks, each hook on the embeddings of a sub-model (embeddings that
+are not the model's own) is replaced, under the same hook id, by one that calls upstream's hook
+only while that sub-model has a trainable parameter, checked on every forward, so a tower unfrozen
+later gets its hook back at once. The handles in ``_require_grads_hooks`` stay valid: disabling
+and ``input-grad-hook-dedupe`` remove the replaced hooks as they remove upstream's. The model's own
+embeddings keep upstream's hook. A replaced hook follows the patch's switch: switched off (or
+deactivated), it runs upstream's hook unconditionally.
+
+Limits: the check walks the sub-model's parameters on each of its forwards (a frozen tower walks
+all of them; measured in ``benchmarks/overhead.py``). A sub-model frozen by other means than
+``requires_grad`` (e.g. run under ``torch.no_grad`` by its caller) is upstream's business. Hooks
+that other code put on the embeddings are not touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+from shim import Patch, Target
+from shim.effects import record
+
+NAME = "frozen-tower-input-grads"
+_PreTrainedModel = None  # bound on first use: the patch module must not import transformers at import time
+
+
+def _has_trainable(module) -> bool:
+    """Whether ``module`` has a parameter that requires grad: ``module.parameters()`` without its
+    generators and de-duplication, several times cheaper (it runs on every forward of the tower)."""
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        for parameter in current._parameters.values():
+            if parameter is not None and parameter.requires_grad:
+                return True
+        stack.extend(child for child in current._modules.values() if child is not None)
+    return False
+
+
+class _WhileTrainable:
+    """A forward hook that runs upstream's input-require-grads hook only while ``owner`` (the
+    sub-model whose embeddings it sits on) has a trainable parameter. The owner is held weakly:
+    the hook lives inside the owner and must not keep it alive. It follows the patch's switch, so
+    ``shim.disable()``, ``shim.disabled()`` and ``shim.deactivate()`` give upstream's hook back at once."""
+
+    __slots__ = ("hook", "owner", "names", "switch", "__weakref__")
+
+    def __init__(self, hook, owner, names: tuple[str, str], switch) -> None:
+        self.hook = hook
+        self.owner = weakref.ref(owner)
+        self.names = names  # (sub-model class, model class), for the effects ledger
+        self.switch = switch
+
+    def __call__(self, module, inputs, output):
+        owner = self.owner()
+        if not self.switch or owner is None or _has_trainable(owner):
+            return self.hook(module, inputs, output)
+        record(
+            NAME,
+            "kept the frozen %s (in %s) out of backward: upstream makes its input embeddings' output require grad",
+            *self.names,
+        )  # fmt: skip
+        return None
+
+    def __deepcopy__(self, memo: dict):
+        # A deep copy of the model copies this hook inside the owner, after the owner itself: the
+        # copy's hook watches the copy's owner.
+        owner = self.owner()
+        copied = memo.get(id(owner), owner) if owner is not None else None
+        if copied is None:
+            return self
+        return _WhileTrainable(copy.deepcopy(self.hook, memo), copied, self.names, self.switch)
+
+
+def _input_embeddings(model):
+    """``model.get_input_embeddings()``, or ``None`` where it has none (as upstream tolerates)."""
+    try:
+        return model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def _sub_models_by_hooks(model) -> dict:
+    """``{id(embeddings._forward_hooks): sub-model}`` for each sub-model of ``model`` whose input
+    embeddings differ from the model's own; the first sub-model found owns shared embeddings, as in
+    upstream's walk."""
+    own = _input_embeddings(model)
+    owners: dict = {}
+    for module in model.modules():
+        if module is model or not isinstance(module, _PreTrainedModel):
+            continue
+        embeddings = _input_embeddings(module)
+        if embeddings is None or embeddings is own or not hasattr(embeddings, "_forward_hooks"):
+            continue
+        owners.setdefault(id(embeddings._forward_hooks), module)
+    return owners
+
+
+def _enable_input_require_grads(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    handles = instance.__dict__.get("_require_grads_hooks") if instance is not None else None
+    if not handles:
+        return result
+    own = _input_embeddings(instance)
+    own_hooks = getattr(own, "_forward_hooks", None)
+    hooked = [(handle, handle.hooks_dict_ref()) for handle in handles]
+    if all(hooks is own_hooks for _handle, hooks in hooked):  # a text-only model: nothing to walk
+        return result
+    global _PreTrainedModel
+    if _PreTrainedModel is None:
+        from transformers.modeling_utils import PreTrainedModel
+
+        _PreTrainedModel = PreTrainedModel
+    owners = _sub_models_by_hooks(instance)
+    switch = _switch()
+    for handle, hooks in hooked:
+        owner = owners.get(id(hooks)) if hooks is not None and hooks is not own_hooks else None
+        hook = hooks.get(handle.id) if owner is not None else None
+        if hook is not None and not isinstance(hook, _WhileTrainable):
+            names = (type(owner).__name__, type(instance).__name__)
+            hooks[handle.id] = _WhileTrainable(hook, owner, names, switch)
+    return result
+
+
+def _switch():
+    """The runtime switch of this patch's layer on ``PreTrainedModel.enable_input_require_grads``."""
+    import inspect
+
+    from shim.wrapping import find_shim_wrapper, switch_of
+
+    layer = find_shim_wrapper(inspect.getattr_static(_PreTrainedModel, "enable_input_require_grads"), NAME)
+    return switch_of(layer) if layer is not None else True
+
+
+def _probe(original) -> str | None:
+    """Upstream must keep its hook handles in ``_require_grads_hooks`` and register forward hooks."""
+    names = getattr(getattr(original, "__code__", None), "co_names", ())
+    if "_require_grads_hooks" not in names or "register_forward_hook" not in names:
+        return "enable_input_require_grads no longer registers forward hooks kept in _require_grads_hooks"
+    return None
+
+
+# -- demonstration (self-check, tests, benchmark) ------------------------------------------------
+
+
+def tiny_qwen2_vl():
+    """A tiny Qwen2-VL (2 text layers, 2 vision blocks) built in code, in training mode, with an
+    image batch that fits it: ``(model, inputs)``. ``inputs`` are the forward's keyword arguments."""
+    import inspect
+
+    import torch
+    import transformers
+
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, temporal_patch_size=2
+        ),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    model.train()
+    grid = torch.tensor([[1, 4, 4]])  # temporal, height, width in patches
+    patches = int(grid.prod())
+    generator = torch.Generator().manual_seed(1)
+    pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=generator)
+    input_ids = torch.tensor([[1, 102] + [100] * (patches // 4) + [5, 6, 7]])
+    inputs = dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid, labels=input_ids)
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # 5.x processors return it
+        inputs["mm_token_type_ids"] = (input_ids == 100).long()
+    return model, inputs
+
+
+def vision_tower(model):
+    """The vision sub-model of a Qwen2-VL model (its place moved within 5.x)."""
+    inner = getattr(model, "model", model)
+    return inner.visual if hasattr(inner, "visual") else model.visual
+
+
+def _self_check() -> bool:
+    """True when enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
+    import torch
+
+    from ._checkpointing import enable
+
+    model, inputs = tiny_qwen2_vl()
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    enable(model, {"use_reentrant": False})
+    with torch.enable_grad():  # patch_embed: 4.x has no get_input_embeddings on the tower
+        output = tower.patch_embed(inputs["pixel_values"])
+    return bool(output.requires_grad)
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="A frozen sub-model (a VLM's vision tower) keeps its input embeddings' output free of requires_grad.",
+    distribution="transformers",
+    requires=">=5.0",
+    targets=(
+        Target(
+            "transformers.modeling_utils:PreTrainedModel.enable_input_require_grads",
+            _enable_input_require_grads,
+            probe=_probe,
+        ),
+    ),
+    references=("docs/bugs.md#frozen-tower-input-grads",),
+    self_check=_self_check,
+)
