@@ -58,4 +58,11 @@ INDEX = (
         ("transformers.modeling_layers",),
     ),
     ("frozen-tower-input-grads", "frozen_tower_input_grads", "transformers", ">=5.0", ("transformers.modeling_utils",)),
+    (
+        "peft-adapter-trainability",
+        "peft_adapter_trainability",
+        "peft",
+        "<0.21",
+        ("peft.tuners.tuners_utils", "peft.peft_model"),
+    ),
 )

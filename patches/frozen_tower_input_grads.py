@@ -230,6 +230,10 @@ PATCH = Patch(
             probe=_probe,
         ),
     ),
-    references=("docs/bugs.md#frozen-tower-input-grads",),
+    references=(
+        "docs/bugs.md#frozen-tower-input-grads",
+        "huggingface/transformers#41993",
+        "modelscope/ms-swift#10214",
+    ),
     self_check=_self_check,
 )

@@ -178,7 +178,7 @@ PATCH = Patch(
     references=(
         "docs/bugs.md#reentrant-frozen-input-grads",
         "huggingface/transformers#21381",
-        "huggingface/peft#1577",
+        "huggingface/transformers#23170",
     ),
     self_check=_self_check,
 )

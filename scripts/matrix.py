@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The version matrix: every patch tested on the transformers × trl releases it targets.
+"""The version matrix: every patch tested on the transformers × trl (and peft) releases it targets.
 
 Each cell is one virtual environment, ``.venvs/<cell>`` (the default cell is ``.venv``), built by
 ``scripts/setup.sh`` from ``constraints/<cell>.txt`` exactly as a user builds the default one:
@@ -71,7 +71,8 @@ class Cell:
 #: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
 #: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
 #: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
-#: activation_checkpointing_enable, and the override path after).
+#: activation_checkpointing_enable, and the override path after). peft0.20 is the default stack with peft 0.20.0, the last
+#: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability).
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
@@ -84,6 +85,7 @@ CELLS = (
     Cell("tf5.20-trl1.12"),
     Cell("edge-tf5.22", suite=False),
     Cell("edge-tf5.23", suite=False),
+    Cell("peft0.20"),
     Cell("default", venv=".venv"),
 )
 BY_NAME = {cell.name: cell for cell in CELLS}

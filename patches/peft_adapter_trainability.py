@@ -1,0 +1,241 @@
+"""``peft-adapter-trainability``: adding or loading an adapter leaves the others' ``requires_grad`` alone.
+
+Upstream bug (peft 0.18.0 – 0.20.0 at least; fixed in 0.21.0 by huggingface/peft#3495;
+docs/bugs.md#peft-adapter-trainability): every new non-prompt adapter goes through
+``BaseTuner.inject_adapter`` (``get_peft_model``, ``PeftModel.add_adapter``,
+``PeftModel.load_adapter``, ``inject_adapter_in_model``). Its housekeeping step calls
+``self.set_adapter(self.active_adapters, inference_mode=peft_config.inference_mode)`` with the *new*
+adapter's ``inference_mode``, then ``_mark_only_adapters_as_trainable``, then freezes every parameter
+whose name contains the new adapter's name when it is in inference mode. So:
+
+- a trainable ``default`` plus a frozen ``other`` (``load_adapter(..., is_trainable=False)``, or
+  ``add_adapter(name, config)`` with ``config.inference_mode=True``, as peft's own
+  ``save_pretrained(path_initial_model_for_weight_conversion=...)`` does) freezes ``default`` too:
+  every LoRA parameter of the model ends frozen;
+- a frozen ``default`` (``PeftModel.from_pretrained(..., is_trainable=False)``) plus a trainable
+  ``other`` (``load_adapter(..., is_trainable=True)``) makes ``default`` trainable and leaves
+  ``other`` frozen: the flags are swapped, and the optimizer trains the wrong adapter;
+- ``add_adapter`` with a trainable config on such a frozen model unfreezes ``default``.
+
+peft 0.21.0 snapshots, inside ``inject_adapter``, the flag of every parameter that existed before
+the injection (the new adapter's own parameters, named ``.<adapter>.``, excepted) and puts it back
+after the housekeeping and ``set_additional_trainable_modules``; the first injection into a model
+(no tuner layer yet) is exempt, so ``get_peft_model`` still freezes the base model. A new adapter
+that is not active thus stays frozen, and ``PeftModel.load_adapter(..., is_trainable=True)`` then
+makes the adapter it just added trainable with ``set_requires_grad(adapter_name)``.
+
+The fix is that behaviour, at run time. ``BaseTuner.inject_adapter`` is wrapped: when the model
+already holds a tuner layer, the wrapper takes 0.21.0's snapshot before the call and, after it
+returns, gives back their flag to the parameters upstream changed. ``PeftModel.load_adapter`` is
+wrapped: when it added the adapter (the name was new) with ``is_trainable=True``, the wrapper calls
+``set_requires_grad(adapter_name)`` on it, as 0.21.0 does. Calls where nothing differs pass through.
+
+Limits: the snapshot is taken when ``inject_adapter`` is entered, where 0.21.0 takes it after its
+config checks and ``_prepare_model`` (LoRA's ``layer_replication`` adds modules there; their
+parameters are shared with existing ones, which are in the snapshot). A call that raises is left as
+upstream leaves it. ``set_requires_grad`` runs after the weights are loaded rather than before
+(loading keeps each parameter's flag, so the result is the same). The ``is_trainable=True`` part is
+not applied to prompt-learning models (peft 0.21.0 raises ``TypeError`` there) nor to
+``PeftMixedModel`` (its adapters get the snapshot part only). 0.21.0's other changes in the same
+release (UniLoRA's ``adapter_layer_names``, ``_mark_only_adapters_as_trainable`` selecting adapter
+parameters structurally rather than by name prefix) are not backported.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shim import Patch, Target
+from shim.effects import record
+
+from ._arguments import argument, leading_parameters
+
+NAME = "peft-adapter-trainability"
+
+
+def _peft_version() -> str:
+    return getattr(sys.modules.get("peft"), "__version__", "?")
+
+
+# -- BaseTuner.inject_adapter ------------------------------------------------------------------
+
+
+def _snapshot(model, adapter_name: str) -> list:
+    """``[(name, parameter, requires_grad)]`` of the parameters already in ``model``, as peft 0.21.0 takes it.
+
+    Empty when ``model`` holds no tuner layer yet (the first injection freezes the base model on
+    purpose). The new adapter's own parameters (``.<adapter>.`` in the name, or ``.<adapter>`` at its
+    end: some tuners create them before calling ``inject_adapter``) are left out.
+    """
+    tuner_layer = sys.modules["peft.tuners.tuners_utils"].BaseTunerLayer
+    named_modules = list(model.named_modules())
+    if not any(isinstance(module, tuner_layer) for _, module in named_modules):
+        return []
+    inner, suffix = f".{adapter_name}.", f".{adapter_name}"
+    seen: set[int] = set()
+    taken = []
+    for key, module in named_modules:
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            full_name = f"{key}.{parameter_name}" if key else parameter_name
+            if inner not in full_name and not full_name.endswith(suffix):
+                taken.append((full_name, parameter, parameter.requires_grad))
+    return taken
+
+
+def _owners(names: list[str], adapters) -> str:
+    """``adapter 'default'``, ``adapters 'a', 'b'``, ``the base model`` or both: whose parameters these are."""
+    found: dict[str, None] = {}
+    base = False
+    for name in names:
+        owner = next((part for part in name.split(".") if part in adapters), None)
+        if owner is None:
+            base = True
+        else:
+            found[owner] = None
+    parts = []
+    if found:
+        quoted = ", ".join(repr(adapter) for adapter in found)
+        parts.append(f"adapter {quoted}" if len(found) == 1 else f"adapters {quoted}")
+    if base:
+        parts.append("the base model")
+    return " and ".join(parts)
+
+
+def _inject_adapter(wrapped, instance, args, kwargs):
+    try:
+        model = argument(args, kwargs, 0, "model")
+        adapter_name = argument(args, kwargs, 1, "adapter_name")
+        taken = _snapshot(model, adapter_name) if isinstance(adapter_name, str) else []
+    except Exception:  # arguments peft itself rejects: peft raises in its own way
+        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if not taken:
+        return result
+    trainable, frozen = [], []
+    for full_name, parameter, requires_grad in taken:
+        if parameter.requires_grad != requires_grad:
+            parameter.requires_grad = requires_grad
+            (trainable if requires_grad else frozen).append(full_name)
+    if trainable or frozen:
+        adapters = getattr(instance, "peft_config", {})
+        config = adapters.get(adapter_name)
+        parts, values = [], []
+        for names, state, upstream in ((trainable, "trainable", "froze"), (frozen, "frozen", "made trainable")):
+            if names:
+                parts.append(f"kept %d parameter(s) of %s {state} that peft %s {upstream}")
+                values += [len(names), _owners(names, adapters), _peft_version()]
+        record(
+            NAME,
+            "; ".join(parts) + " when adapter %r was added with inference_mode=%s",
+            *values, adapter_name, str(getattr(config, "inference_mode", "?")),
+        )  # fmt: skip
+    return result
+
+
+# -- PeftModel.load_adapter --------------------------------------------------------------------
+
+
+def _load_adapter(wrapped, instance, args, kwargs):
+    peft_model = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    if peft_model is None or not isinstance(instance, peft_model):
+        return wrapped(*args, **kwargs)
+    adapter_name = argument(args, kwargs, 1, "adapter_name", None)
+    is_trainable = argument(args, kwargs, 2, "is_trainable", False)
+    added = bool(is_trainable) and isinstance(adapter_name, str) and adapter_name not in instance.peft_config
+    result = wrapped(*args, **kwargs)
+    if not added or adapter_name not in instance.peft_config:
+        return result
+    if instance.peft_config[adapter_name].is_prompt_learning or instance.active_peft_config.is_prompt_learning:
+        return result
+    before = [(parameter, parameter.requires_grad) for parameter in instance.parameters()]
+    instance.set_requires_grad(adapter_name)
+    changed = sum(1 for parameter, requires_grad in before if parameter.requires_grad != requires_grad)
+    if changed:
+        record(
+            NAME,
+            "made %d parameter(s) of adapter %r trainable, as load_adapter(is_trainable=True) asked; "
+            "peft %s left the new adapter frozen",
+            changed, adapter_name, _peft_version(),
+        )  # fmt: skip
+    return result
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+
+def _probe_inject_adapter(original):
+    module = sys.modules.get("peft.tuners.tuners_utils")
+    if module is None or not isinstance(getattr(module, "BaseTunerLayer", None), type):
+        return "peft.tuners.tuners_utils no longer defines the BaseTunerLayer class"
+    return leading_parameters(original, ("self", "model", "adapter_name"))
+
+
+def _probe_load_adapter(original):
+    module = sys.modules.get("peft.peft_model")
+    peft_model = getattr(module, "PeftModel", None)
+    for attribute in ("set_requires_grad", "active_peft_config", "add_adapter"):
+        if not hasattr(peft_model, attribute):
+            return f"peft.peft_model.PeftModel has no {attribute}"
+    return leading_parameters(original, ("self", "model_id", "adapter_name", "is_trainable"))
+
+
+# -- self-check --------------------------------------------------------------------------------
+
+
+def lora_requires_grad(model) -> dict[str, bool]:
+    """``{parameter name: requires_grad}`` of every LoRA parameter (``lora_`` in the name) of ``model``."""
+    return {name: parameter.requires_grad for name, parameter in model.named_parameters() if ".lora_" in name}
+
+
+def expected_requires_grad(model, trainable: set[str]) -> dict[str, bool]:
+    """What :func:`lora_requires_grad` must be when exactly the adapters in ``trainable`` are trainable."""
+    return {name: any(f".{adapter}." in name for adapter in trainable) for name in lora_requires_grad(model)}
+
+
+def lora_config(**overrides):
+    from peft import LoraConfig
+
+    values = dict(target_modules=["q_proj", "v_proj"], r=2, lora_alpha=4)
+    values.update(overrides)
+    return LoraConfig(**values)
+
+
+def _self_check() -> bool:
+    """True when loading a frozen adapter next to a trainable one changes the trainable one's flags."""
+    import tempfile
+    import warnings
+
+    import transformers
+    from peft import get_peft_model
+
+    from shim.selfcheck import tiny_llama_config
+
+    model = get_peft_model(transformers.LlamaForCausalLM(tiny_llama_config()), lora_config())
+    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
+        # The model is built in code: peft cannot find its config to compare vocabularies, and says so.
+        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
+        model.save_pretrained(directory)
+        model.load_adapter(directory, adapter_name="other", is_trainable=False)
+    return lora_requires_grad(model) != expected_requires_grad(model, {"default"})
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="Adding or loading a PEFT adapter keeps the other adapters' requires_grad (peft<0.21 changes it).",
+    distribution="peft",
+    requires="<0.21",
+    targets=(
+        Target("peft.tuners.tuners_utils:BaseTuner.inject_adapter", _inject_adapter, probe=_probe_inject_adapter),
+        Target("peft.peft_model:PeftModel.load_adapter", _load_adapter, probe=_probe_load_adapter),
+    ),
+    references=(
+        "docs/bugs.md#peft-adapter-trainability",
+        "huggingface/peft#3495",
+        "huggingface/peft#3487",
+        "huggingface/peft#3580",
+    ),
+    self_check=_self_check,
+)
