@@ -44,7 +44,7 @@ import transformers.modeling_utils  # noqa: E402,F401  (the patch applies on thi
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
-from shim.patches.frozen_tower_input_grads import vision_tower  # noqa: E402
+from shim.patches.frozen_tower_input_grads import tiny_qwen2_vl, vision_tower  # noqa: E402
 from shim.selfcheck import quiet_transformers  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
@@ -62,47 +62,9 @@ def reset_peak() -> None:
 
 
 def build(depth: int, width: int, image: int):
-    """A Qwen2-VL with a ``depth``-block vision tower of ``width``, one ``image`` x ``image`` image."""
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=256,
-            max_position_embeddings=1024,
-            bos_token_id=1,
-            eos_token_id=2,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        ),
-        vision_config=dict(
-            depth=depth,
-            embed_dim=width,
-            hidden_size=64,
-            num_heads=4,
-            mlp_ratio=4,
-            patch_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=200,
-        video_token_id=201,
-        vision_start_token_id=202,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(config)
-    model.train()
+    """The patch's own tiny Qwen2-VL with a ``depth``-block vision tower of ``width``, frozen."""
+    model, inputs = tiny_qwen2_vl(depth, width, image)
     vision_tower(model).requires_grad_(False)
-    side = image // 2  # patches per side
-    grid = torch.tensor([[1, side, side]])
-    patches = side * side
-    pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=torch.Generator().manual_seed(1))
-    input_ids = torch.tensor([[1, 202] + [200] * (patches // 4) + list(range(5, 37))])
-    inputs = dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid, labels=input_ids)
-    import inspect
-
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        inputs["mm_token_type_ids"] = (input_ids == 200).long()
     return model, inputs
 
 

@@ -722,6 +722,67 @@ def measure_engine(args) -> dict:
     }
 
 
+REENTRANT = ("reentrant-keyword-grads", "reentrant-frozen-input-grads")
+
+
+def measure_layer_calls(args) -> dict:
+    """ns per ``GradientCheckpointingLayer`` call that neither reentrant patch diverts, on a layer
+    whose ``forward`` does nothing and whose checkpoint function only calls it: the cost of the two
+    stacked layers' decision itself, on the calls a training step makes (the per-wrapper rows above
+    time whole decoder layers, whose own noise hides it)."""
+    import functools
+
+    import torch
+    import transformers.modeling_layers as modeling_layers
+
+    import shim
+
+    class Light(modeling_layers.GradientCheckpointingLayer):
+        def forward(self, hidden_states, attention_mask=None):
+            return hidden_states
+
+    def run(function, *inputs, **options):  # a checkpoint function that only calls the layer
+        return function(*inputs)
+
+    light = Light()
+    light.train()
+    hidden = torch.zeros(1, 1, 4, requires_grad=True)
+    mask = torch.zeros(1, 1)
+    cases = {
+        "no checkpointing": (False, None, lambda: light(hidden, attention_mask=mask)),
+        "reentrant, positional input requires grad": (
+            True,
+            functools.partial(run, use_reentrant=True),
+            lambda: light(hidden, attention_mask=mask),
+        ),
+        "non-reentrant, keyword input requires grad": (
+            True,
+            functools.partial(run, use_reentrant=False),
+            lambda: light(hidden_states=hidden, attention_mask=mask),
+        ),
+    }
+    timings: dict = {}
+
+    def time_cases(key: str) -> None:
+        for label, (checkpointing, function, call) in cases.items():
+            light.gradient_checkpointing = checkpointing
+            light._gradient_checkpointing_func = function
+            timings.setdefault(label, {})[key] = per_call_ns(call, args.replay_seconds)
+
+    time_cases("on")
+    for name in REENTRANT:
+        with shim.disabled(name):
+            time_cases(name)
+    with shim.disabled(*REENTRANT):
+        time_cases("inert")
+    shim.deactivate()  # the layers removed: upstream's call
+    try:
+        time_cases("bare")
+    finally:
+        shim.activate()
+    return timings
+
+
 # -- report -----------------------------------------------------------------------------------------------
 
 
@@ -766,7 +827,7 @@ def comparison_row(label, result, scale, kind=None):
 HEADERS = ["measurement", "on", "off", "ratio", "ratio IQR", "noise", "wall ratio", "n", "target"]
 
 
-def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -> str:
+def report(args, info, imports, workers, in_process, wrappers, engine, layer_calls, ledger) -> str:
     out = []
     out.append(f"hf-train-shim overhead ({'quick' if args.quick else 'full'} run): shim on / shim off, same run")
     out.append(info)
@@ -895,6 +956,22 @@ def report(args, info, imports, workers, in_process, wrappers, engine, ledger) -
     ]
     out.append("One shim layer with a pass-through wrapper (the engine's floor):")
     out.append(table(rows, ["call", "bare ns", "on +ns", "inert +ns"]))
+    out.append(
+        "GradientCheckpointingLayer calls that no reentrant patch diverts (a layer whose forward does nothing): "
+        "ns per call; 'on' both layers acting, '<patch> +ns' what that patch's decision adds, 'inert' both "
+        "switched off"
+    )
+    rows = [
+        [
+            label,
+            f"{t['bare']:.0f}",
+            f"{t['on'] - t['bare']:+.0f}",
+            *(f"{t['on'] - t[name]:+.0f}" for name in REENTRANT),
+            f"{t['inert'] - t['bare']:+.0f}",
+        ]
+        for label, t in layer_calls.items()
+    ]
+    out.append(table(rows, ["layer call", "bare ns", "on +ns", *(f"{n} +ns" for n in REENTRANT), "inert +ns"]))
     counted = ", ".join(f"{name} {count}" for name, count in ledger["counted"].items())
     out.append(
         f"Effects ledger: one record costs {ledger['record_ns']:.0f} ns and runs only on a call that changed "
@@ -953,6 +1030,7 @@ def main(argv=None) -> int:
         counted = {record.name: record.effects for record in shim.status()}  # before the replays add more
         wrappers = measure_wrappers(args, directory, log)
     engine = measure_engine(args)
+    layer_calls = measure_layer_calls(args)
     ledger = measure_effects(args, counted)
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
@@ -963,7 +1041,7 @@ def main(argv=None) -> int:
         f"{load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs | {time.perf_counter() - started:.0f} s\n"
         f"patches applied ({len(applied)}): {', '.join(applied)}"
     )
-    text = report(args, info, imports, workers, in_process, wrappers, engine, ledger)
+    text = report(args, info, imports, workers, in_process, wrappers, engine, layer_calls, ledger)
     print(text)
     if args.json:
         Path(args.json).write_text(
@@ -974,6 +1052,7 @@ def main(argv=None) -> int:
                     "in_process": in_process,
                     "wrappers": wrappers,
                     "engine": engine,
+                    "layer_calls": layer_calls,
                     "effects": ledger,
                 },
                 indent=1,

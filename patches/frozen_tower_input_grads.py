@@ -155,9 +155,10 @@ def _probe(original) -> str | None:
 # -- demonstration (self-check, tests, benchmark) ------------------------------------------------
 
 
-def tiny_qwen2_vl():
-    """A tiny Qwen2-VL (2 text layers, 2 vision blocks) built in code, in training mode, with an
-    image batch that fits it: ``(model, inputs)``. ``inputs`` are the forward's keyword arguments."""
+def tiny_qwen2_vl(depth: int = 2, width: int = 32, image: int = 8):
+    """A tiny Qwen2-VL built in code, in training mode (2 text layers; a vision tower of ``depth``
+    blocks of ``width``), with one ``image`` x ``image`` image that fits it: ``(model, inputs)``.
+    ``inputs`` are the forward's keyword arguments."""
     import inspect
 
     import torch
@@ -171,13 +172,19 @@ def tiny_qwen2_vl():
             num_attention_heads=2,
             num_key_value_heads=2,
             vocab_size=128,
-            max_position_embeddings=128,
+            max_position_embeddings=1024,
             bos_token_id=1,
             eos_token_id=2,
             rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
         ),
         vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2, temporal_patch_size=2
+            depth=depth,
+            embed_dim=width,
+            hidden_size=32,  # the merger's output: the text model's width
+            num_heads=max(2, width // 32),
+            mlp_ratio=2,
+            patch_size=2,
+            temporal_patch_size=2,
         ),
         image_token_id=100,
         video_token_id=101,
@@ -186,11 +193,12 @@ def tiny_qwen2_vl():
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config)
     model.train()
-    grid = torch.tensor([[1, 4, 4]])  # temporal, height, width in patches
-    patches = int(grid.prod())
+    side = image // 2  # patches of 2 x 2 pixels
+    grid = torch.tensor([[1, side, side]])  # temporal, height, width in patches
+    patches = side * side
     generator = torch.Generator().manual_seed(1)
     pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=generator)
-    input_ids = torch.tensor([[1, 102] + [100] * (patches // 4) + [5, 6, 7]])
+    input_ids = torch.tensor([[1, 102] + [100] * (patches // 4) + [5, 6, 7]])  # 2 x 2 patches merge into a token
     inputs = dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid, labels=input_ids)
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # 5.x processors return it
         inputs["mm_token_type_ids"] = (input_ids == 100).long()

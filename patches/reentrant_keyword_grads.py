@@ -214,10 +214,23 @@ def wrong_grads(reference: dict, grads: dict, rtol: float = 1e-5, atol: float = 
     return wrong
 
 
-def _self_check() -> bool:
-    """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
+def reentrant_changes_grads(model, grads_of) -> bool:
+    """Whether ``grads_of(model)`` (gradients by name) differs once ``model`` checkpoints
+    reentrantly: the self-check of the reentrant patches."""
     import warnings
 
+    reference = grads_of(model)
+    with warnings.catch_warnings():
+        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
+        enable_checkpointing(model, {"use_reentrant": True})
+        checkpointed = grads_of(model)
+    return bool(wrong_grads(reference, checkpointed))
+
+
+def _self_check() -> bool:
+    """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
     import transformers
 
     from shim.selfcheck import tiny_llama_config
@@ -227,14 +240,7 @@ def _self_check() -> bool:
     model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3))
     model.train()
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
-    reference = keyword_driven_grads(model, input_ids)
-    with warnings.catch_warnings():
-        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
-        enable_checkpointing(model, {"use_reentrant": True})
-        checkpointed = keyword_driven_grads(model, input_ids)
-    return bool(wrong_grads(reference, checkpointed))
+    return reentrant_changes_grads(model, lambda m: keyword_driven_grads(m, input_ids))
 
 
 PATCH = Patch(
