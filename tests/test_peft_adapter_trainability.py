@@ -8,6 +8,7 @@ before an adapter is added keep their flag, and the new adapter is trainable onl
 """
 
 import contextlib
+import importlib.metadata
 import os
 import tempfile
 
@@ -36,6 +37,14 @@ PEFT = Version(peft.__version__)
 BUGGY = PEFT < Version("0.21")
 needs_bug = pytest.mark.skipif(
     not BUGGY, reason="version rule: the bug exists up to peft 0.20 (fixed in 0.21.0 by huggingface/peft#3495)"
+)
+TRL = Version(importlib.metadata.version("trl"))
+needs_use_adapter = pytest.mark.skipif(
+    TRL < Version("0.27"),
+    reason="version rule: trl.trainer.utils.use_adapter (the reference-adapter switch) exists from trl 0.27",
+)
+needs_dpo_ref_adapter = pytest.mark.skipif(
+    TRL < Version("0.29"), reason="version rule: DPOTrainer adds a 'ref' adapter to a PEFT model from trl 0.29"
 )
 quiet_transformers()
 
@@ -324,6 +333,7 @@ def test_first_injection_freezes_the_base_model_and_counts_nothing():
     assert state() == ("applied" if BUGGY else "skipped")
 
 
+@needs_use_adapter
 def test_trl_style_reference_adapter(saved):
     """What trl's DPO/KTO/GRPO/RLOO trainers do with a PEFT model that already has an adapter:
     ``add_adapter("ref", <the default adapter's config>)``, copy the weights, switch with ``use_adapter``."""
@@ -349,6 +359,7 @@ def test_trl_style_reference_adapter(saved):
     assert state() == ("applied" if BUGGY else "skipped")
 
 
+@needs_dpo_ref_adapter
 def test_trl_dpo_trainer_reference_adapter_trains_default_only(saved, tmp_path):
     """trl's DPOTrainer given a PEFT model with an adapter and no ref_model adds the frozen ``ref`` copy;
     one optimizer step moves the ``default`` adapter and leaves ``ref`` as it was."""
