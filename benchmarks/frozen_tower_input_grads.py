@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
-import time
 import timeit
 import warnings
 from pathlib import Path
@@ -41,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_utils  # noqa: E402,F401  (the patch applies on this import)
+from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
@@ -49,16 +48,6 @@ from shim.selfcheck import quiet_transformers  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")
-
-
-def memory_kib() -> tuple[int, int]:
-    """(peak, current) resident set size of this process in KiB."""
-    status = Path("/proc/self/status").read_text()
-    return (int(re.search(r"VmHWM:\s+(\d+)", status).group(1)), int(re.search(r"VmRSS:\s+(\d+)", status).group(1)))
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def build(depth: int, width: int, image: int):
@@ -80,13 +69,7 @@ def step(model, inputs, mode: str) -> dict:
 
 def measure(model, inputs, mode: str) -> tuple[float, int]:
     model.zero_grad(set_to_none=True)
-    _, before = memory_kib()
-    reset_peak()
-    start = time.perf_counter()
-    step(model, inputs, mode)
-    seconds = time.perf_counter() - start
-    peak, _ = memory_kib()
-    return seconds, peak - before
+    return timed_step(lambda: step(model, inputs, mode))
 
 
 def hook_cost(model, inputs, repeats: int = 2000) -> tuple[float, float]:

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
-import time
 import timeit
 import warnings
 from pathlib import Path
@@ -43,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
+from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
@@ -50,16 +49,6 @@ from shim.selfcheck import quiet_transformers, tiny_llama_config  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
 MODES = ("none", "reentrant+shim", "non-reentrant", "reentrant-pos")
-
-
-def memory_kib() -> tuple[int, int]:
-    """(peak, current) resident set size of this process in KiB."""
-    status = Path("/proc/self/status").read_text()
-    return (int(re.search(r"VmHWM:\s+(\d+)", status).group(1)), int(re.search(r"VmRSS:\s+(\d+)", status).group(1)))
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def positional_step(model, input_ids) -> None:
@@ -96,13 +85,7 @@ def step(model, input_ids, mode: str) -> None:
 def measure(model, input_ids, mode: str) -> tuple[float, int]:
     configure(model, mode)
     model.zero_grad(set_to_none=True)
-    _, before = memory_kib()
-    reset_peak()
-    start = time.perf_counter()
-    step(model, input_ids, mode)
-    seconds = time.perf_counter() - start
-    peak, _ = memory_kib()
-    return seconds, peak - before
+    return timed_step(lambda: step(model, input_ids, mode))
 
 
 def per_call_cost(repeats: int = 20000) -> dict:

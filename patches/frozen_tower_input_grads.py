@@ -32,21 +32,10 @@ import weakref
 from shim import Patch, Target
 from shim.effects import record
 
+from ._checkpointing import first_trainable
+
 NAME = "frozen-tower-input-grads"
 _PreTrainedModel = None  # bound on first use: the patch module must not import transformers at import time
-
-
-def _has_trainable(module) -> bool:
-    """Whether ``module`` has a parameter that requires grad: ``module.parameters()`` without its
-    generators and de-duplication, several times cheaper (it runs on every forward of the tower)."""
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        for parameter in current._parameters.values():
-            if parameter is not None and parameter.requires_grad:
-                return True
-        stack.extend(child for child in current._modules.values() if child is not None)
-    return False
 
 
 class _WhileTrainable:
@@ -65,7 +54,7 @@ class _WhileTrainable:
 
     def __call__(self, module, inputs, output):
         owner = self.owner()
-        if not self.switch or owner is None or _has_trainable(owner):
+        if not self.switch or owner is None or first_trainable(owner) is not None:
             return self.hook(module, inputs, output)
         record(
             NAME,

@@ -38,6 +38,7 @@ from shim import Patch, Target
 from shim.effects import record
 
 from . import _reentrant
+from ._checkpointing import first_trainable
 from ._reentrant import StandIn, divert, reentrant_function, torch_module, wants_grad
 
 NAME = "reentrant-frozen-input-grads"
@@ -78,23 +79,15 @@ def _any_wants_grad(args, kwargs) -> bool:
     return False
 
 
-def _trainable_device(layer):
-    """The device of the layer's first trainable parameter, or ``None`` when it has none."""
-    for parameter in layer.parameters():
-        if parameter.requires_grad:
-            return parameter.device
-    return None
-
-
 def _call(wrapped, instance, args, kwargs):
     if instance.gradient_checkpointing and instance.training:
         torch = _reentrant._torch or torch_module()
         if torch.is_grad_enabled() and not _any_wants_grad(args, kwargs):
             function = reentrant_function(instance)
             if function is not None:
-                device = _trainable_device(instance)
-                if device is not None:
-                    stand_in = _Anchoring(function, type(instance).__name__, device)
+                trainable = first_trainable(instance)
+                if trainable is not None:
+                    stand_in = _Anchoring(function, type(instance).__name__, trainable.device)
                     return divert(wrapped, instance, stand_in, args, kwargs)
     return wrapped(*args, **kwargs)
 

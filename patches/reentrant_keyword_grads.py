@@ -52,14 +52,12 @@ from shim import Patch, Target
 from shim.effects import record
 
 from . import _reentrant
-from ._checkpointing import is_reentrant  # noqa: F401  (the shared reentrancy rule, re-exported for tests)
 from ._reentrant import StandIn, divert, reentrant_function, torch_module
 from ._reentrant import probe as _probe
 from ._reentrant import wants_grad as _wants_grad
 
 NAME = "reentrant-keyword-grads"
 _partial = functools.partial
-_torch_module = torch_module
 
 
 # -- finding and putting back the tensors ------------------------------------------------------
@@ -184,7 +182,7 @@ def keyword_driven_grads(model, input_ids, seed: int = 0) -> dict:
     """One backward through ``model`` (a ``LlamaForCausalLM``) whose decoder layers are called with
     ``hidden_states=`` as a keyword, as draft models and custom stacks do. Returns the parameter
     gradients by name (``None`` where autograd left none)."""
-    torch = _torch_module()
+    torch = torch_module()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     inner = model.model
@@ -202,7 +200,7 @@ def keyword_driven_grads(model, input_ids, seed: int = 0) -> dict:
 
 def wrong_grads(reference: dict, grads: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list:
     """Names whose gradient is ``None`` or differs from ``reference``."""
-    torch = _torch_module()
+    torch = torch_module()
     wrong = []
     for name, expected in reference.items():
         got = grads[name]
@@ -235,7 +233,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck import tiny_llama_config
 
-    torch = _torch_module()
+    torch = torch_module()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3))
     model.train()
