@@ -19,7 +19,7 @@ embeddings keep upstream's hook. A replaced hook follows the patch's switch: swi
 deactivated), it runs upstream's hook unconditionally.
 
 Limits: the check walks the sub-model's parameters on each of its forwards (a frozen tower walks
-all of them; measured in ``benchmarks/overhead.py``). A sub-model frozen by other means than
+all of them; timed in ``benchmarks/frozen_tower_input_grads.py``). A sub-model frozen by other means than
 ``requires_grad`` (e.g. run under ``torch.no_grad`` by its caller) is upstream's business. Hooks
 that other code put on the embeddings are not touched.
 """

@@ -416,7 +416,7 @@ if {threads}:
     def guarded(step):
         try:
             run(step)
-        except (ImportError, AttributeError, KeyError):
+        except ({partial_errors}):
             failed.append(step)
         except BaseException as exc:
             errors.append(repr(exc))
@@ -486,7 +486,14 @@ def permutation_results():
     def run(case):
         order, meta, threads = case
         try:
-            code = PERMUTATION.format(meta=meta, steps=STEPS, order=order, threads=threads, targets=TARGET_MODULES)
+            code = PERMUTATION.format(
+                meta=meta,
+                steps=STEPS,
+                order=order,
+                threads=threads,
+                targets=TARGET_MODULES,
+                partial_errors=", ".join(PARTIAL_MODULE_ERRORS),
+            )
             return run_script(code, timeout=240)
         except BaseException as exc:  # pytest.fail inside a pool thread: report it in the case's test
             return {"error": repr(exc)}
