@@ -43,8 +43,11 @@ from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
-from shim.patches.frozen_tower_input_grads import tiny_qwen2_vl, vision_tower  # noqa: E402
-from shim.selfcheck import quiet_transformers  # noqa: E402
+from shim.tinymodels import (  # noqa: E402
+    quiet_transformers,  # noqa: E402
+    tiny_qwen2_vl,
+    vision_tower,
+)
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")

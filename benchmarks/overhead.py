@@ -233,7 +233,7 @@ def save_load_model(directory: str, layers: int) -> int:
     import torch
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers))
@@ -253,7 +253,7 @@ def training_model(config: dict, reentrant: bool, seed: int = 0):
     import transformers
 
     from shim.patches._checkpointing import enable
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(tiny_llama_config(**config))

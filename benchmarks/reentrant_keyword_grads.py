@@ -44,8 +44,13 @@ import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on th
 from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
-from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
-from shim.selfcheck import quiet_transformers, tiny_llama_config  # noqa: E402
+from shim.tinymodels import (  # noqa: E402
+    enable_checkpointing,
+    keyword_driven_grads,
+    quiet_transformers,
+    tiny_llama_config,
+    wrong_grads,
+)
 
 NAME = "reentrant-keyword-grads"
 MODES = ("none", "reentrant+shim", "non-reentrant", "reentrant-pos")

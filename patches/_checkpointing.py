@@ -51,16 +51,6 @@ def _class_declares_flag(cls) -> bool:
     return known
 
 
-def can_checkpoint(module) -> bool:
-    """Whether ``module`` holds a ``gradient_checkpointing`` flag of its own or of its class.
-
-    Equivalent to transformers' ``hasattr(module, "gradient_checkpointing")`` for the modules it
-    has set the flag on, without ``Module.__getattr__``'s costly miss on every other module: the
-    answer for a class is computed once.
-    """
-    return "gradient_checkpointing" in module.__dict__ or _class_declares_flag(type(module))
-
-
 class _Layout:
     """Where a model's checkpointing modules sit: each with the ``_modules`` dict that holds it
     and that dict's size, so a module replaced or removed, or one appended beside them (a layer

@@ -22,8 +22,7 @@ import inspect
 import logging
 import sys
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 
@@ -43,7 +42,7 @@ def _cleaning_enable(kwargs_name: str):
         moved = sorted(_NOT_FOR_CHECKPOINT.intersection(config))
         lifted = {name: config.pop(name) for name in _PARAMETERS if name in config}
         config.pop("selective", None)
-        record(
+        record_effect(
             NAME,
             "took %s out of the checkpointing kwargs of %s, which transformers would pass to "
             "torch.utils.checkpoint; every_n_layers/offload became the parameters they are",
@@ -83,7 +82,7 @@ def _self_check() -> bool:
     """True when a key that is not a checkpoint option ends up in the checkpoint partial."""
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     from ._checkpointing import enable, layer_state
 
@@ -114,4 +113,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#checkpoint-kwargs-clean", "huggingface/transformers#48200"),
     self_check=_self_check,
+    after=("checkpointing-restore",),
 )

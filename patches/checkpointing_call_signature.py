@@ -27,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 from ._checkpointing import accepts, disable, enable, is_checkpointing, takes_positional
@@ -57,7 +56,7 @@ def _note_trl_call_adapted(model, gradient_checkpointing_kwargs) -> None:
     if trl_calls is None or takes_positional(trl_calls):
         return
     function = getattr(trl_calls, "__func__", trl_calls)
-    record(
+    record_effect(
         NAME,
         "re-enabled checkpointing on %s through its signature %s; trl's disable_gradient_checkpointing "
         "would have passed %r positionally and raised TypeError",
@@ -99,7 +98,7 @@ def _narrowed_call(model, override, values: dict):
                 f"'checkpointing-call-signature' instead of dropping the setting silently)."
             )
     if left_out:
-        record(
+        record_effect(
             NAME,
             "left %s out of the call to %s, which cannot take them; transformers passes them and the "
             "override would have raised TypeError",
@@ -168,7 +167,7 @@ def _self_check() -> bool:
     """True when trl's re-enable, or transformers' enable, raises TypeError on a narrow signature."""
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     class KeywordOnly(transformers.LlamaForCausalLM):
         def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
@@ -216,4 +215,5 @@ PATCH = Patch(
     references=("docs/bugs.md#checkpointing-call-signature", "unslothai/unsloth#6826", "huggingface/trl#5245"),
     consumers=("trl.*",),
     self_check=_self_check,
+    after=("checkpointing-restore",),
 )

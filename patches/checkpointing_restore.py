@@ -35,8 +35,7 @@ from __future__ import annotations
 import contextvars
 import functools
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 from ._checkpointing import MISSING, ModelState, capture, configured_kwargs, forget_layout, layer_state, restore
@@ -109,7 +108,7 @@ def _restoring_enable(kwargs_name: str):
             changed, replaced = restore(captured)
             if changed:
                 upstream = dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced
-                record(
+                record_effect(
                     NAME,
                     "%s was re-enabled without a configuration: transformers reset it to %s, the shim restored "
                     "%s on %d module(s)",
@@ -126,7 +125,7 @@ def _self_check() -> bool:
 
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     from ._checkpointing import ENABLE, disable, enable, method
 

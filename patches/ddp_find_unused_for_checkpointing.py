@@ -28,8 +28,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._checkpointing import MISSING, checkpointing_modules, is_reentrant
 
@@ -87,7 +86,7 @@ def _decide(trainer, handler, enable_comes_later: bool) -> None:
     if function is None or not is_reentrant(function):
         return
     handler.find_unused_parameters = False
-    record(
+    record_effect(
         NAME,
         "the Trainer chose find_unused_parameters=True for %s (not a PreTrainedModel) although %s is reentrant, "
         "which DDP fails on ('Expected to mark a variable ready only once'); the shim chose False",
@@ -134,7 +133,7 @@ def _probe():
     return None
 
 
-# -- demonstration (self-check, tests) ---------------------------------------------------------
+# -- self-check (python -m shim doctor) ------------------------------------------------------------
 
 
 def ddp_decision(trainer) -> bool:
@@ -184,7 +183,7 @@ def _self_check() -> bool:
 
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     from ._checkpointing import enable
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 import copy
 import weakref
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect, switch_of
 
 from ._checkpointing import first_trainable
 
@@ -56,7 +55,7 @@ class _WhileTrainable:
         owner = self.owner()
         if not self.switch or owner is None or first_trainable(owner) is not None:
             return self.hook(module, inputs, output)
-        record(
+        record_effect(
             NAME,
             "kept the frozen %s (in %s) out of backward: upstream makes its input embeddings' output require grad",
             *self.names,
@@ -113,7 +112,7 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
 
         _PreTrainedModel = PreTrainedModel
     owners = _sub_models_by_hooks(instance)
-    switch = _switch()
+    switch = switch_of(NAME)
     for handle, hooks in hooked:
         owner = owners.get(id(hooks)) if hooks is not None and hooks is not own_hooks else None
         hook = hooks.get(handle.id) if owner is not None else None
@@ -121,16 +120,6 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
             names = (type(owner).__name__, type(instance).__name__)
             hooks[handle.id] = _WhileTrainable(hook, owner, names, switch)
     return result
-
-
-def _switch():
-    """The runtime switch of this patch's layer on ``PreTrainedModel.enable_input_require_grads``."""
-    import inspect
-
-    from shim.wrapping import find_shim_wrapper, switch_of
-
-    layer = find_shim_wrapper(inspect.getattr_static(_PreTrainedModel, "enable_input_require_grads"), NAME)
-    return switch_of(layer) if layer is not None else True
 
 
 def _probe(original) -> str | None:
@@ -141,68 +130,14 @@ def _probe(original) -> str | None:
     return None
 
 
-# -- demonstration (self-check, tests, benchmark) ------------------------------------------------
-
-
-def tiny_qwen2_vl(depth: int = 2, width: int = 32, image: int = 8):
-    """A tiny Qwen2-VL built in code, in training mode (2 text layers; a vision tower of ``depth``
-    blocks of ``width``), with one ``image`` x ``image`` image that fits it: ``(model, inputs)``.
-    ``inputs`` are the forward's keyword arguments."""
-    import inspect
-
-    import torch
-    import transformers
-
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=1024,
-            bos_token_id=1,
-            eos_token_id=2,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        ),
-        vision_config=dict(
-            depth=depth,
-            embed_dim=width,
-            hidden_size=32,  # the merger's output: the text model's width
-            num_heads=max(2, width // 32),
-            mlp_ratio=2,
-            patch_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=100,
-        video_token_id=101,
-        vision_start_token_id=102,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(config)
-    model.train()
-    side = image // 2  # patches of 2 x 2 pixels
-    grid = torch.tensor([[1, side, side]])  # temporal, height, width in patches
-    patches = side * side
-    generator = torch.Generator().manual_seed(1)
-    pixel_values = torch.randn(patches, 3 * 2 * 2 * 2, generator=generator)
-    input_ids = torch.tensor([[1, 102] + [100] * (patches // 4) + [5, 6, 7]])  # 2 x 2 patches merge into a token
-    inputs = dict(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid, labels=input_ids)
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # 5.x processors return it
-        inputs["mm_token_type_ids"] = (input_ids == 100).long()
-    return model, inputs
-
-
-def vision_tower(model):
-    """The vision sub-model of a Qwen2-VL model (its place moved within 5.x)."""
-    inner = getattr(model, "model", model)
-    return inner.visual if hasattr(inner, "visual") else model.visual
+# -- self-check (python -m shim doctor) ------------------------------------------------------------
 
 
 def _self_check() -> bool:
     """True when enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
     import torch
+
+    from shim.tinymodels import tiny_qwen2_vl, vision_tower
 
     from ._checkpointing import enable
 
@@ -233,4 +168,5 @@ PATCH = Patch(
         "modelscope/ms-swift#10214",
     ),
     self_check=_self_check,
+    after=("input-grad-hook-dedupe",),
 )

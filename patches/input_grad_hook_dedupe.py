@@ -13,8 +13,7 @@ registers new ones.
 
 from __future__ import annotations
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 NAME = "input-grad-hook-dedupe"
 
@@ -29,7 +28,7 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
         for handle in held:
             handle.remove()  # RemovableHandle.remove() is idempotent
         if live:
-            record(
+            record_effect(
                 NAME,
                 "removed %d input-require-grads hook(s) that %s still held before transformers added "
                 "new ones (upstream leaves them registered, one more per checkpointing cycle)",
@@ -52,7 +51,7 @@ def _self_check() -> bool:
     """True when disable/enable cycles leave more than one hook on the input embeddings."""
     import transformers
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     from ._checkpointing import disable, enable
 

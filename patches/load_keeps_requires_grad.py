@@ -22,8 +22,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument, leading_parameters
 
@@ -88,7 +87,7 @@ def _count_kept(model) -> None:
     except TypeError:  # not weak-referenceable: count this one alone
         kept = 1
     version = getattr(sys.modules.get("transformers"), "__version__", "?")
-    record(
+    record_effect(
         NAME,
         "kept %d parameter(s) of %s frozen that transformers %s made trainable while loading",
         kept, type(model).__name__, version,
@@ -107,19 +106,6 @@ def _load_parameter_into_model(wrapped, instance, args, kwargs):
     return _load_keeping_frozen(wrapped, args, kwargs, model, param_name)
 
 
-def frozen_llama_class():
-    """A Llama whose ``__init__`` freezes the embeddings and the first decoder layer."""
-    from transformers import LlamaForCausalLM
-
-    class FrozenBaseLlama(LlamaForCausalLM):
-        def __init__(self, config):
-            super().__init__(config)
-            self.model.embed_tokens.requires_grad_(False)
-            self.model.layers[0].requires_grad_(False)
-
-    return FrozenBaseLlama
-
-
 def requires_grad_map(model) -> dict[str, bool]:
     return {name: parameter.requires_grad for name, parameter in model.named_parameters()}
 
@@ -128,7 +114,7 @@ def _self_check() -> bool:
     """True when a save/load round trip changes a ``requires_grad`` flag."""
     import tempfile
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import frozen_llama_class, tiny_llama_config
 
     model_class = frozen_llama_class()
     model = model_class(tiny_llama_config())

@@ -45,8 +45,7 @@ from __future__ import annotations
 
 import sys
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument, leading_parameters
 
@@ -127,7 +126,7 @@ def _inject_adapter(wrapped, instance, args, kwargs):
             if names:
                 parts.append(f"kept %d parameter(s) of %s {state} that peft %s {upstream}")
                 values += [len(names), _owners(names, adapters), _peft_version()]
-        record(
+        record_effect(
             NAME,
             "; ".join(parts) + " when adapter %r was added with inference_mode=%s",
             *values, adapter_name, str(getattr(config, "inference_mode", "?")),
@@ -154,7 +153,7 @@ def _load_adapter(wrapped, instance, args, kwargs):
     instance.set_requires_grad(adapter_name)
     changed = sum(1 for parameter, requires_grad in before if parameter.requires_grad != requires_grad)
     if changed:
-        record(
+        record_effect(
             NAME,
             "made %d parameter(s) of adapter %r trainable, as load_adapter(is_trainable=True) asked; "
             "peft %s left the new adapter frozen",
@@ -195,14 +194,6 @@ def expected_requires_grad(model, trainable: set[str]) -> dict[str, bool]:
     return {name: any(f".{adapter}." in name for adapter in trainable) for name in lora_requires_grad(model)}
 
 
-def lora_config(**overrides):
-    from peft import LoraConfig
-
-    values = dict(target_modules=["q_proj", "v_proj"], r=2, lora_alpha=4)
-    values.update(overrides)
-    return LoraConfig(**values)
-
-
 def _self_check() -> bool:
     """True when loading a frozen adapter next to a trainable one changes the trainable one's flags."""
     import tempfile
@@ -211,7 +202,7 @@ def _self_check() -> bool:
     import transformers
     from peft import get_peft_model
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import lora_config, tiny_llama_config
 
     model = get_peft_model(transformers.LlamaForCausalLM(tiny_llama_config()), lora_config())
     with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():

@@ -34,8 +34,7 @@ other, so a reentrant checkpoint function other than torch's must accept a zero-
 
 from __future__ import annotations
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from . import _reentrant
 from ._checkpointing import first_trainable
@@ -56,7 +55,7 @@ class _Anchoring(StandIn):
 
     def __call__(self, function, *args, **options):
         anchor = _reentrant._torch.empty(0, device=self.device, requires_grad=True)
-        record(
+        record_effect(
             NAME,
             "gave the trainable parameters of %s their gradients under reentrant checkpointing although none "
             "of its inputs requires grad (upstream's checkpointed output has no grad_fn, so they get none)",
@@ -92,56 +91,12 @@ def _call(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-# -- demonstration (self-check, tests) ---------------------------------------------------------
-
-
-def checkpointing_layers(model) -> list:
-    """The model's ``GradientCheckpointingLayer`` modules, in order."""
-    import transformers.modeling_layers
-
-    return [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
-
-
-def trainable_grads(model, loss_of, seed: int = 1) -> dict:
-    """One backward of ``loss_of(model)``; the trainable parameters' gradients by name (``None``
-    where autograd left none)."""
-    torch = torch_module()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss_of(model).backward()
-    return {
-        name: None if p.grad is None else p.grad.detach().clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-def frozen_input_llama(layers: int = 3):
-    """A Llama driven with ``inputs_embeds`` from its frozen embeddings, layer 0 frozen: the
-    inputs of layer 1 require no grad. Returns ``(model, loss_of)``."""
-    import transformers
-
-    from shim.selfcheck import tiny_llama_config
-
-    torch = torch_module()
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers))
-    model.train()
-    model.model.embed_tokens.requires_grad_(False)
-    checkpointing_layers(model)[0].requires_grad_(False)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        embeds = model.model.embed_tokens(input_ids)
-
-    def loss_of(m):
-        return m(inputs_embeds=embeds, labels=input_ids).loss
-
-    return model, loss_of
+# -- self-check (python -m shim doctor) ------------------------------------------------------------
 
 
 def _self_check() -> bool:
     """True when a reentrant Llama with frozen inputs to its layers gets wrong parameter gradients."""
-    from .reentrant_keyword_grads import reentrant_changes_grads
+    from shim.tinymodels import frozen_input_llama, reentrant_changes_grads, trainable_grads
 
     model, loss_of = frozen_input_llama()
     return reentrant_changes_grads(model, lambda m: trainable_grads(m, loss_of))
@@ -165,4 +120,5 @@ PATCH = Patch(
         "huggingface/transformers#23170",
     ),
     self_check=_self_check,
+    after=("reentrant-keyword-grads",),
 )

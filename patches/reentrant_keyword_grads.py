@@ -48,8 +48,7 @@ from __future__ import annotations
 
 import functools
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from . import _reentrant
 from ._reentrant import StandIn, divert, reentrant_function, torch_module
@@ -136,7 +135,7 @@ class _Lifting(StandIn):
         if not lifted:
             return original(function, *args, **options)
         run, bound, count = function.func, function.args, len(args)
-        record(
+        record_effect(
             NAME,
             "passed %d grad-requiring keyword tensor(s) (%s) of %s to reentrant checkpointing as inputs, "
             "which upstream leaves inside the partial, without gradients",
@@ -166,76 +165,16 @@ def _diverted(wrapped, instance, function, args, kwargs):
     return divert(wrapped, instance, _Lifting(function, type(instance).__name__), args, kwargs)
 
 
-# -- demonstration (self-check, tests) ---------------------------------------------------------
-
-
-def enable_checkpointing(model, checkpoint_kwargs: dict | None, **options) -> None:
-    """Turn checkpointing on through the model's API (``activation_*`` where it exists, 5.23+);
-    ``None`` kwargs get transformers' default."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
-
-
-def keyword_driven_grads(model, input_ids, seed: int = 0) -> dict:
-    """One backward through ``model`` (a ``LlamaForCausalLM``) whose decoder layers are called with
-    ``hidden_states=`` as a keyword, as draft models and custom stacks do. Returns the parameter
-    gradients by name (``None`` where autograd left none)."""
-    torch = torch_module()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    inner = model.model
-    hidden = inner.embed_tokens(input_ids)
-    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
-    position_embeddings = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
-        hidden = out[0] if isinstance(out, tuple) else out
-    logits = model.lm_head(inner.norm(hidden))
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
-    loss.backward()
-    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def wrong_grads(reference: dict, grads: dict, rtol: float = 1e-5, atol: float = 1e-6) -> list:
-    """Names whose gradient is ``None`` or differs from ``reference``."""
-    torch = torch_module()
-    wrong = []
-    for name, expected in reference.items():
-        got = grads[name]
-        if got is None or expected is None:
-            if got is not expected:
-                wrong.append(name)
-        elif not torch.allclose(got, expected, rtol=rtol, atol=atol):
-            wrong.append(name)
-    return wrong
-
-
-def reentrant_changes_grads(model, grads_of) -> bool:
-    """Whether ``grads_of(model)`` (gradients by name) differs once ``model`` checkpoints
-    reentrantly: the self-check of the reentrant patches."""
-    import warnings
-
-    reference = grads_of(model)
-    with warnings.catch_warnings():
-        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
-        enable_checkpointing(model, {"use_reentrant": True})
-        checkpointed = grads_of(model)
-    return bool(wrong_grads(reference, checkpointed))
+# -- self-check (python -m shim doctor) ------------------------------------------------------------
 
 
 def _self_check() -> bool:
     """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
-    import transformers
-
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import keyword_driven_grads, reentrant_changes_grads, tiny_llama
 
     torch = torch_module()
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=3))
+    model = tiny_llama(3)
     model.train()
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
     return reentrant_changes_grads(model, lambda m: keyword_driven_grads(m, input_ids))

@@ -18,8 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 from ._checkpointing import any_checkpointing, enable, is_checkpointing
@@ -108,7 +107,7 @@ class _RestoreOnError:
         except Exception:  # the body's exception is the one the user must see
             log.exception("%s: could not restore checkpointing after %s", NAME, exc_type.__name__)
         if done:
-            record(
+            record_effect(
                 NAME,
                 "%s raised inside trl's unwrap_model_for_generation on %s, which trl leaves without "
                 "checkpointing; the shim %s",
@@ -133,7 +132,7 @@ def _self_check() -> bool:
     import transformers
     from trl.models.utils import unwrap_model_for_generation
 
-    from shim.selfcheck import tiny_llama_config
+    from shim.tinymodels import tiny_llama_config
 
     from ._checkpointing import enable as enable_checkpointing
 

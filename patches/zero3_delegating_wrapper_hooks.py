@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import threading
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument, leading_parameters
 
@@ -99,7 +98,7 @@ def _settle_forwarding(forwarding: list) -> None:
         if COUNTER not in module.__dict__:
             module.__dict__[COUNTER] = 0
         if _borrowed(module):
-            record(
+            record_effect(
                 NAME,
                 "gave %s its own ZeRO-3 backward hooks; DeepSpeed 0.19.2's hasattr would have used those of "
                 "the module its __getattr__ forwards to (AttributeError: ... 'ds_grads_remaining')",

@@ -35,8 +35,7 @@ import sys
 import threading
 import weakref
 
-from shim import Patch, Target
-from shim.effects import record
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 
@@ -110,7 +109,7 @@ def _keep_for_recomputation(state: _Attribution, submodule) -> None:
         state.kept.setdefault(owner.ds_id, set()).update(frozen)
     for param in frozen:
         param.ds_active_sub_modules.add(owner.ds_id)
-    record(
+    record_effect(
         NAME,
         "kept %d frozen parameter(s) of %s gathered through its recomputation in the backward of %s, which "
         "DeepSpeed %s partitions in place while torch's checkpoint still holds them",

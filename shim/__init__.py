@@ -14,6 +14,11 @@ Public API::
     with shim.disabled(*names): ...   # no names = all
     shim.register(patch)              # your own Patch, same registry
     shim.PatchError                   # raised only in strict mode (SHIM_STRICT=1)
+
+For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``,
+``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
+``shim.switch_of(name)``, the live on/off switch of a patch, for a hook it installs outside its
+wrappers. ``shim.tinymodels`` builds the tiny models of self-checks, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import importlib
 import logging
 
 from . import catalogue, effects, settings
+from .effects import record as record_effect
 from .errors import PatchError, ShimWarning
-from .registry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, Registry
+from .registry import Registry
+from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,10 +50,12 @@ __all__ = [
     "disable",
     "disabled",
     "enable",
+    "record_effect",
     "register",
     "registry",
     "report",
     "status",
+    "switch_of",
 ]
 
 # Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
@@ -78,6 +87,7 @@ enable = registry.enable
 disable = registry.disable
 disabled = registry.disabled
 register = registry.register
+switch_of = registry.switch_of
 
 if settings.flag("SHIM_REPORT"):
     effects.report_at_exit()

@@ -141,7 +141,7 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import doctor
     from .records import table
-    from .selfcheck import quiet_transformers
+    from .tinymodels import quiet_transformers
 
     quiet_transformers()
     findings = doctor.run(shim.registry)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import versions
-from .registry import APPLIED, DISABLED, Registry
+from .registry import Registry
+from .states import APPLIED, DISABLED
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"

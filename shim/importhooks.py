@@ -93,6 +93,14 @@ def wait(timeout: float = 10.0) -> bool:
                 return not _watchers
 
 
+def finished(name: str) -> bool:
+    """Whether module ``name`` is in ``sys.modules`` and done executing: a module still running its
+    body (it imported another target on the way, as ``transformers.modeling_utils`` imports
+    ``core_model_loading``) is not ready to be patched; its own hooks fire once it is."""
+    module = sys.modules.get(name)
+    return module is not None and not executing(module)
+
+
 def executing(module: Any) -> bool:
     """Whether ``module`` is still running its body (importlib sets this flag around ``exec_module``)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

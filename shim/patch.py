@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
@@ -93,6 +93,8 @@ class Patch:
     ``True`` when the bug shows. ``consumers`` are ``fnmatch`` patterns of module names whose
     module-level references to a target are rebound to the wrapper while the patch is applied
     (for modules that did ``from target import name`` before the shim could wrap it).
+    ``after`` names the patches whose layers this one's sit outside of where both wrap the same
+    target: the stacking order, explicit wherever two patches share a target.
     """
 
     name: str
@@ -103,6 +105,7 @@ class Patch:
     references: tuple[str, ...] = ()
     self_check: Callable[[], bool] | None = None
     consumers: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,8 @@ class Patch:
             raise ValueError(f"patch name {self.name!r} must be kebab-case, e.g. 'load-keeps-requires-grad'")
         if not self.targets:
             raise ValueError(f"patch {self.name!r} has no targets")
+        if isinstance(self.after, str) or not all(_NAME.match(name) for name in self.after):
+            raise ValueError(f"patch {self.name!r}: after= must be a tuple of patch names, not {self.after!r}")
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))
         except InvalidSpecifier as exc:
@@ -127,3 +132,17 @@ class Patch:
     def load(self) -> Patch:
         """A patch is its own declaration (the catalogue's listings load theirs from a module)."""
         return self
+
+
+class Declared(Protocol):
+    """What a registry needs of a patch before applying it: a :class:`Patch`, or a catalogue
+    listing (``shim.catalogue.Listing``) that imports the patch's module on :meth:`load`."""
+
+    name: str
+    distribution: str
+    requires: str
+
+    @property
+    def modules(self) -> tuple[str, ...]: ...
+
+    def load(self) -> Patch: ...

@@ -1,4 +1,4 @@
-"""What the shim tells its users: the status record of a patch, and the tables made of them.
+"""Reporting: the status record of a patch, and the tables made of them.
 
 Imported only when a status is asked for (``shim.status()``, ``python -m shim``, the exit
 report), never by ``import shim`` itself.
@@ -9,9 +9,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .registry import APPLIED
+from . import effects, gating, versions
+from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, SUSPENDED_REASON
+
+if TYPE_CHECKING:
+    from .entry import Entry
+    from .patch import Patch
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,48 @@ class PatchStatus:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+
+def status_of(entry: Entry, forced: bool) -> PatchStatus:
+    """What ``shim.status()`` says of one patch: the registry's state, refined by what can be known
+    without applying anything (the gate of a patch still pending, a layer replaced since)."""
+    declared = entry.declared
+    state, reason, installed = entry.state, entry.reason, entry.installed
+    if state == PENDING and entry.gate is None:
+        # Decided here rather than at activation, where it would cost every ``import shim`` a
+        # metadata read. Outside its gate a patch reads as skipped even when its target module
+        # does not exist in that release; its hooks stay, so SHIM_FORCE set later still applies it.
+        decision = gating.gate(declared, forced)
+        installed = decision.decision.installed
+        if decision.skip is not None:
+            state, reason = SKIPPED, decision.skip
+        else:
+            reason = f"{reason}; {decision.decision.reason}"
+    elif installed is None:
+        installed = versions.installed_version(declared.distribution)
+    if state == APPLIED and entry.layers:
+        stale = entry.layers.stale()
+        if stale:
+            replaced = entry.layers.describe(stale)
+            state, reason = FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
+    if entry.switch.suspended and state in (APPLIED, PENDING):
+        state, reason = DISABLED, SUSPENDED_REASON
+    try:
+        patch: Patch | None = entry.load()
+    except Exception as exc:  # reported, never raised: a status must always come back
+        patch, reason = None, f"{reason}; the patch module cannot be imported: {exc!r}"
+    return PatchStatus(
+        name=declared.name,
+        state=state,
+        reason=reason,
+        targets=tuple(t.spec for t in patch.targets) if patch else (),
+        requires=f"{declared.distribution}{declared.requires}",
+        installed=installed,
+        summary=patch.summary if patch else "",
+        references=patch.references if patch else (),
+        effects=effects.count(declared.name),
+        last_effect=effects.last(declared.name),
+    )
 
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:

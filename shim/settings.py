@@ -23,8 +23,8 @@ TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
-# Frames a warning must not be attributed to: the shim's own, wrapt's import hooks (a patch is
-# applied from inside the user's ``import transformers``) and importlib's.
+# Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
+# user's ``import transformers``, through the shim's import hooks), wrapt's and importlib's.
 _OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 _NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep, os.sep + "importlib" + os.sep)
 

@@ -8,7 +8,7 @@ import transformers
 from packaging.version import Version
 
 from shim.patches._checkpointing import is_checkpointing
-from shim.selfcheck import quiet_transformers, tiny_llama_config
+from shim.tinymodels import quiet_transformers, tiny_llama
 
 quiet_transformers()
 TRANSFORMERS = Version(transformers.__version__)
@@ -22,10 +22,6 @@ DISABLE = ENABLE.replace("enable", "disable")
 
 def supports(parameter: str) -> bool:
     return parameter in inspect.signature(getattr(transformers.PreTrainedModel, ENABLE)).parameters
-
-
-def tiny_llama(layers: int = 4, **overrides):
-    return transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers, **overrides))
 
 
 def configure(model, kwargs, every_n_layers=1, offload=False):
@@ -74,4 +70,4 @@ def quietly(function, *args, **kwargs):
         return function(*args, **kwargs)
 
 
-__all__ = ["is_checkpointing"]
+__all__ = ["is_checkpointing", "tiny_llama"]

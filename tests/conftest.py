@@ -16,7 +16,7 @@ _counter = itertools.count()
 @pytest.fixture
 def fake_modules(tmp_path, monkeypatch):
     """Write throwaway modules to a temp dir, as an installed distribution 1.2.0 of the same name
-    (a dist-info folder beside the package); names are unique per test because wrapt's
+    (a dist-info folder beside the package); names are unique per test because the shim's
     post-import hooks are process-wide and never forgotten."""
 
     def make(**sources: str) -> str:

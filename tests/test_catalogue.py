@@ -18,14 +18,55 @@ from shim import patches as catalogue
 from tests.conftest import ROOT, run_python
 
 
-def test_the_index_says_what_each_patch_module_declares():
+def test_the_index_is_generated_from_each_patch_modules_declaration():
     modules = sorted(path.stem for path in (ROOT / "patches").glob("*.py") if not path.stem.startswith("_"))
-    assert sorted(row[1] for row in catalogue.INDEX) == modules, "every patch module is listed, once"
-    for name, module_name, distribution, requires, target_modules in catalogue.INDEX:
-        patch = importlib.import_module(f"shim.patches.{module_name}").PATCH
-        declared = (patch.name, patch.distribution, patch.requires, patch.modules)
-        assert declared == (name, distribution, requires, target_modules), module_name
-    assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row[0] for row in catalogue.INDEX)
+    assert sorted(row["module"] for row in catalogue.INDEX) == modules, "every patch module is listed, once"
+    for row in catalogue.INDEX:
+        patch = importlib.import_module(f"shim.patches.{row['module']}").PATCH
+        declared = dict(
+            name=patch.name, distribution=patch.distribution, requires=patch.requires, modules=patch.modules
+        )
+        assert {k: v for k, v in row.items() if k != "module"} == declared, row["module"]
+    assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row["name"] for row in catalogue.INDEX)
+    # The index block is exactly what the generator writes (python -m shim.patches --write).
+    result = subprocess.run(
+        [sys.executable, "-m", "shim.patches", "--check"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_patches_that_wrap_the_same_target_declare_their_stacking_order():
+    from shim.catalogue import declared
+
+    patches = declared()
+    order = [patch.name for patch in patches]
+    by_target: dict = {}
+    for patch in patches:
+        for target in patch.targets:
+            by_target.setdefault(target.spec, []).append(patch)
+    shared = {spec: names for spec, names in by_target.items() if len(names) > 1}
+    assert shared, "the catalogue has stacked patches; this test must see them"
+    for spec, stacked in shared.items():
+        for inner, outer in zip(stacked, stacked[1:]):
+            assert inner.name in outer.after or outer.name in inner.after, (
+                f"{inner.name} and {outer.name} both wrap {spec}: one must name the other in after="
+            )
+            assert order.index(inner.name) < order.index(outer.name)
+
+
+def test_the_stacking_order_follows_after_and_refuses_cycles():
+    from shim import Patch, Target
+    from shim.catalogue import stacking_order
+
+    def patch(name, *after):
+        return Patch(name, "s", "demo", ">=1", (Target("m:f", lambda *a: None),), after=after)
+
+    ordered = stacking_order([patch("c"), patch("a", "c"), patch("b")])
+    assert [p.name for p in ordered] == ["c", "a", "b"]
+    with pytest.raises(ValueError, match="cycle"):
+        stacking_order([patch("a", "b"), patch("b", "a")])
+    with pytest.raises(ValueError, match="no built-in patch"):
+        stacking_order([patch("a", "missing")])
 
 
 def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_packaging_specifiers():
@@ -96,7 +137,7 @@ def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, 
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
     expected = {s.name: s.state for s in shim.status() if s.name in out["states"]}
-    assert out["states"] == expected and set(expected) == {row[0] for row in catalogue.INDEX}
+    assert out["states"] == expected and set(expected) == {row["name"] for row in catalogue.INDEX}
     assert "applied" in expected.values()
 
 
@@ -132,7 +173,7 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
     packages = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert packages == {"shim"}
     for row in catalogue.INDEX:
-        assert f"shim/patches/{row[1]}.py" in names
+        assert f"shim/patches/{row['module']}.py" in names
     assert "shim/py.typed" in names
     assert "shim/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
     with zipfile.ZipFile(wheel) as archive:

@@ -66,7 +66,7 @@ raise SystemExit(main({args}))
 @pytest.mark.parametrize("args", [["doctor"], ["status", "--import-targets"]])
 def test_without_transformers_trl_and_peft_the_cli_shows_not_installed_and_exits_0(args):
     result = run_python(BLOCKED.format(args=args))  # asserts exit status 0
-    names = [row[0] for row in catalogue.INDEX]
+    names = [row["name"] for row in catalogue.INDEX]
     rows = [line for line in result.stdout.splitlines() if line.split() and line.split()[0] in names]
     assert len(rows) == len(names)
     if args == ["doctor"]:

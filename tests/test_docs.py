@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 BUGS = ROOT / "docs" / "bugs.md"
 PUBLIC = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+#\d+$")  # owner/repo#N
-NAMES = [row[0] for row in catalogue.INDEX]
+NAMES = [row["name"] for row in catalogue.INDEX]
 
 
 def sections() -> dict[str, str]:

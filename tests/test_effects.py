@@ -12,9 +12,7 @@ import transformers
 import shim
 from shim import effects
 from shim.patches._checkpointing import disable, enable
-from shim.patches.load_keeps_requires_grad import frozen_llama_class
-from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads
-from shim.selfcheck import tiny_llama_config
+from shim.tinymodels import enable_checkpointing, frozen_llama_class, keyword_driven_grads, tiny_llama_config
 from tests.checkpointing_cases import TRANSFORMERS, configure, quietly, tiny_llama
 from tests.conftest import run_python
 
@@ -181,8 +179,8 @@ def test_report_lists_what_changed_and_what_did_not():
 TRAINING_SCRIPT = """
 import shim
 import tempfile, torch
-from shim.patches.load_keeps_requires_grad import frozen_llama_class
-from shim.selfcheck import quiet_transformers, tiny_llama_config
+from shim.tinymodels import frozen_llama_class
+from shim.tinymodels import quiet_transformers, tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 with tempfile.TemporaryDirectory() as directory:

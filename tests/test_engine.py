@@ -185,7 +185,7 @@ def test_two_patches_stacked_on_an_inherited_method_leave_it_inherited_when_remo
 
     for name in ("inner", "outer") if order == "inner first" else ("outer", "inner"):
         registry.disable(name)
-        registry._remove(registry._entries[name])  # what deactivate() does, one patch at a time
+        registry._entries[name].remove()  # what deactivate() does, one patch at a time
     assert "__call__" not in vars(module.Layer), "the class inherits the method again"
     assert module.Layer()(1) == 1
 

@@ -17,8 +17,8 @@ import transformers.modeling_utils  # noqa: F401  (the target module: the patch 
 import shim
 from shim import effects
 from shim.patches._checkpointing import disable, enable
-from shim.patches.frozen_tower_input_grads import _WhileTrainable, tiny_qwen2_vl, vision_tower
-from shim.selfcheck import quiet_transformers
+from shim.patches.frozen_tower_input_grads import _WhileTrainable
+from shim.tinymodels import quiet_transformers, tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper
 from tests.checkpointing_cases import TRANSFORMERS
 

@@ -18,8 +18,9 @@ B1_STATE = "applied" if B1_EXISTS else "skipped"
 ROUND_TRIP = """
 import json, tempfile
 import shim
-from shim.patches.load_keeps_requires_grad import frozen_llama_class, requires_grad_map
-from shim.selfcheck import quiet_transformers, tiny_llama_config
+from shim.patches.load_keeps_requires_grad import requires_grad_map
+from shim.tinymodels import frozen_llama_class
+from shim.tinymodels import quiet_transformers, tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 model = model_class(tiny_llama_config())

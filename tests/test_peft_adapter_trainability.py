@@ -17,7 +17,7 @@ from packaging.version import Version
 
 import shim
 from shim import effects
-from shim.selfcheck import quiet_transformers, tiny_llama_config
+from shim.tinymodels import lora_config, quiet_transformers, tiny_llama_config
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -26,11 +26,7 @@ torch = pytest.importorskip("torch")
 from peft import PeftModel, get_peft_model, inject_adapter_in_model  # noqa: E402
 
 from shim.patches import peft_adapter_trainability as patch_module  # noqa: E402
-from shim.patches.peft_adapter_trainability import (  # noqa: E402
-    expected_requires_grad,
-    lora_config,
-    lora_requires_grad,
-)
+from shim.patches.peft_adapter_trainability import expected_requires_grad, lora_requires_grad  # noqa: E402
 
 NAME = "peft-adapter-trainability"
 PEFT = Version(peft.__version__)

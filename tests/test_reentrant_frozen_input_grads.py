@@ -16,9 +16,14 @@ import transformers.modeling_layers  # noqa: F401  (the target module: the patch
 import shim
 from shim import effects
 from shim.patches._checkpointing import is_reentrant
-from shim.patches.reentrant_frozen_input_grads import checkpointing_layers, frozen_input_llama, trainable_grads
-from shim.patches.reentrant_keyword_grads import enable_checkpointing, wrong_grads
+from shim.tinymodels import enable_checkpointing, frozen_input_llama, trainable_grads, wrong_grads
 from shim.wrapping import find_shim_wrapper
+
+
+def checkpointing_layers(model) -> list:
+    """The model's ``GradientCheckpointingLayer`` modules, in order."""
+    return [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
+
 
 NAME = "reentrant-frozen-input-grads"
 KEYWORDS = "reentrant-keyword-grads"  # stacked on the same method

@@ -20,8 +20,13 @@ from torch.utils.checkpoint import checkpoint
 import shim
 import shim.patches.reentrant_keyword_grads as module
 from shim.patches._checkpointing import is_reentrant
-from shim.patches.reentrant_keyword_grads import enable_checkpointing, keyword_driven_grads, wrong_grads
-from shim.selfcheck import quiet_transformers, tiny_llama_config
+from shim.tinymodels import (
+    enable_checkpointing,
+    keyword_driven_grads,
+    quiet_transformers,
+    tiny_llama_config,
+    wrong_grads,
+)
 from tests.conftest import run_python
 
 NAME = "reentrant-keyword-grads"
