@@ -1,19 +1,19 @@
 """``checkpoint-kwargs-clean``: only checkpoint options reach ``torch.utils.checkpoint``.
 
-Upstream bug (transformers 4.57 – 5.24 at least; docs/bugs.md#checkpoint-kwargs-clean): ``every_n_layers`` and ``offload`` are parameters of the enable method
-(transformers 5.16+ / 5.17+), but users and the Trainer keep them in
-``gradient_checkpointing_kwargs``. The Trainer pops them from a *copy*, so the training arguments
-still hold them, and trl passes that dict back on every re-enable: they land in the checkpoint
-partial's keywords. Reentrant steps then fail with ``ValueError: Unexpected keyword arguments:
-every_n_layers``; non-reentrant ones forward the key to the layer and the every-n pattern is lost.
-trl's ``selective`` key (SFT selective checkpointing, which trl's own wrapper handles) is another
-key that must never reach ``checkpoint``.
+Symptom: ``every_n_layers`` / ``offload`` written inside ``gradient_checkpointing_kwargs`` (the
+documented way through the Trainer) stay in the training arguments, and trl passes that dict back on
+every re-enable: reentrant steps raise ``ValueError: Unexpected keyword arguments: every_n_layers``,
+non-reentrant ones silently lose the every-n pattern. trl's ``selective`` key can leak the same way.
 
-The fix wraps the enable implementation (``PreTrainedModel.gradient_checkpointing_enable`` before
-5.23, ``PreTrainedModel._activation_checkpointing_enable`` from 5.23): those keys are taken out of
-the dict, and ``every_n_layers``/``offload`` are passed as the parameters they are where the
-installed transformers has them (a parameter given explicitly wins). Where it does not, they are
-dropped with a warning, since no transformers before 5.16 can honour them.
+Fix: the enable implementation is wrapped. Those three keys are taken out of the kwargs dict;
+``every_n_layers`` and ``offload`` are passed as the parameters they are (an explicit parameter wins
+over the dict), ``selective`` is dropped (trl's own wrapper handles it). Nothing else in the dict
+changes.
+
+Limits: where the installed transformers has no such parameter the key is dropped with a warning.
+Any other key ``torch.utils.checkpoint`` does not accept still reaches it.
+
+Full story, versions measured and references: docs/bugs.md#checkpoint-kwargs-clean
 """
 
 from __future__ import annotations

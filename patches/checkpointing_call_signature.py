@@ -1,25 +1,21 @@
 """``checkpointing-call-signature``: re-enable calls fit the signature of the method they call.
 
-Upstream bugs (docs/bugs.md#checkpointing-call-signature):
+Symptom: ``TypeError`` when checkpointing is switched back on. trl's
+``disable_gradient_checkpointing`` passes the kwargs dict positionally, which keyword-only and
+``**kwargs``-only enable methods reject (trl's own PPO wrapper among them); transformers' Trainer and
+``activation_checkpointing_enable`` send ``every_n_layers=`` / ``offload=`` to overrides written
+before those parameters existed.
 
-- trl's positional re-enable (trl 0.26 – 1.16 at least): ``trl.models.utils.disable_gradient_checkpointing`` re-enables with
-  ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)``, a positional dict, which
-  raises ``TypeError`` for keyword-only wrappers ``(*, gradient_checkpointing_kwargs=None)`` and for
-  ``(**kwargs)`` wrappers such as trl's own PPO ``PolicyAndValueWrapper`` (trl 1.0 – 1.12). The fix
-  replaces the context manager with one of the same behaviour that calls enable the way the method's
-  signature accepts (keyword, positional, or no argument when there is nothing to pass) — on every
-  shape ``(kw=None)``, ``(*, kw=None)``, ``(**kwargs)``, ``(kw=None, **kwargs)``, ``()``. trl trainer
-  modules (dpo, grpo, rloo, kto, ...) bind the name at import, so they are rebound.
-- new keywords sent to old overrides (transformers 5.16 – 5.24 at least): the Trainer (and, from 5.23,
-  ``activation_checkpointing_enable``) always passes ``every_n_layers=`` (and from 5.17 ``offload=``)
-  to an overridden ``gradient_checkpointing_enable``, and an override written as
-  ``(self, gradient_checkpointing_kwargs=None)`` or keyword-only raises ``TypeError: ... got an
-  unexpected keyword argument 'every_n_layers'``. The fix leaves out the keywords the override cannot take
-  while they hold their defaults; a non-default value it cannot take raises a ``TypeError`` naming
-  the override and the fix (accept ``**kwargs``) — never a silent drop. From 5.23 the wrapper sits on
-  ``PreTrainedModel.activation_checkpointing_enable``; on 5.16 – 5.22, where the Trainer calls the
-  override directly from ``train()``, ``Trainer.train`` gives the model a narrowing adapter for the
-  duration of the call.
+Fix: trl's context manager is replaced by one of the same behaviour that calls enable the way the
+method's signature allows (by keyword, positionally, or with no argument); trainer modules that
+imported it early are rebound. Calls to a narrow override leave ``every_n_layers`` / ``offload`` out
+while they hold their defaults; a non-default value it cannot take raises a ``TypeError`` that
+names the override and says to accept ``**kwargs``, never a silent drop.
+
+Limits: a ``()`` signature cannot take a non-empty configuration (re-enabled without it, with a
+warning). An override that calls ``activation_checkpointing_enable`` itself still recurses.
+
+Full story, versions measured and references: docs/bugs.md#checkpointing-call-signature
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """``checkpointing-restore``: re-enabling checkpointing brings back the configuration it had.
 
-Upstream bug (every transformers from 4.57 to 5.24 at least; docs/bugs.md#checkpointing-restore):
-the checkpointing configuration lives nowhere but in the layers (a shared ``partial(checkpoint,
-**kwargs)``, per-layer flags for ``every_n_layers``, the offload closure).
-``gradient_checkpointing_disable()`` overwrites all of it, and whoever re-enables without arguments
-— trl's ``unwrap_model_for_generation`` around every generation step (trl 0.22 – 1.15, and several
-1.16 trainers), PEFT helpers, user code — gets the defaults: ``use_reentrant`` flips (``True`` →
-``False`` on 5.x, ``False`` → ``True`` on 4.57), ``every_n_layers`` and offload vanish. Under
-DeepSpeed ZeRO-3 (<= 0.19.2) with frozen parameters, the flip to non-reentrant ends the run with
-``CheckpointError: Recomputed values for the following tensors have different metadata than during
-the forward pass``.
+Symptom: after a disable, an enable without arguments (trl around every generation step, PEFT
+helpers, user code) installs transformers' defaults: ``use_reentrant`` flips, ``every_n_layers``,
+offload and a custom ``context_fn`` vanish; under DeepSpeed ZeRO-3 with frozen parameters the flip to
+non-reentrant ends in ``CheckpointError: Recomputed values ... have different metadata``.
 
-The fix captures every module's state (flag and checkpoint function) in
-``_set_gradient_checkpointing(enable=False)``, the one place every disable path reaches, and puts
-it back after an enable that carried no configuration of its own: kwargs ``None``/empty (or equal
-to the captured ones, as trl's selective-checkpointing wrapper passes them again), and neither
-``every_n_layers`` nor ``offload`` passed by the caller. "Passed" is what the caller wrote, not the
-value: ``every_n_layers=1`` given explicitly is a configuration and wins. From 5.23 the public
-``activation_checkpointing_enable`` always hands both to the implementation, so a thin layer on it
-notes what its caller passed. An explicit configuration wins and drops the capture. The enable
-side wraps the implementation every entry point reaches: ``PreTrainedModel.gradient_checkpointing_enable``
-before 5.23 and ``PreTrainedModel._activation_checkpointing_enable`` from 5.23 — never the
-deprecated 5.23+ ``gradient_checkpointing_enable``, whose identity ``_is_overridden`` compares.
+Fix: ``_set_gradient_checkpointing(enable=False)``, which every disable reaches, captures each
+module's flag and checkpoint function into the model's own ``__dict__``; after an enable that
+brought no configuration of its own (kwargs empty or equal to the capture, no ``every_n_layers`` or
+``offload`` written by the caller) that state is put back. The enable side wraps the implementation
+every entry point reaches, never the deprecated alias whose identity ``_is_overridden`` compares.
 
-The capture lives in the model's own ``__dict__`` (``_checkpointing.ModelState``), so it is freed
-with the model even when a checkpoint function in it references the model.
+Limits: an explicit configuration wins and drops the capture. A model whose
+``_set_gradient_checkpointing`` override does not call ``super()`` is not restored.
 
-Limit: a model class whose ``_set_gradient_checkpointing`` override does not call ``super()`` is
-not restored (the capture is taken in ``PreTrainedModel._set_gradient_checkpointing``).
+Full story, versions measured and references: docs/bugs.md#checkpointing-restore
 """
 
 from __future__ import annotations

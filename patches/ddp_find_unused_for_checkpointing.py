@@ -1,26 +1,20 @@
 """``ddp-find-unused-for-checkpointing``: DDP's ``find_unused_parameters`` follows the checkpointing the model runs.
 
-Upstream bug (transformers 4.57.6 – 5.24.0 at least; docs/bugs.md#ddp-find-unused-for-checkpointing): when
-``ddp_find_unused_parameters`` is left unset, the Trainer decides it from the model's class, not from its
-checkpointing: a ``PreTrainedModel`` gets ``not checkpointing``, every other model gets ``True``. A PEFT
-``PeftModel`` is no ``PreTrainedModel``, so with checkpointing on it gets ``True``. Reentrant checkpointing
-and ``find_unused_parameters=True`` cannot run together: at the end of the forward DDP finds the parameters
-inside each checkpointed segment unused (reentrant checkpointing keeps them out of the graph) and marks
-them ready; the recomputation in backward marks them again: ``RuntimeError: Expected to mark a variable
-ready only once``. Non-reentrant checkpointing runs with either value.
+Symptom: a PEFT model trained by transformers' Trainer under DDP with reentrant checkpointing fails
+in the first backward with ``RuntimeError: Expected to mark a variable ready only once``. Left unset,
+the Trainer decides ``find_unused_parameters`` from the model's class: anything that is not a
+``PreTrainedModel`` (a ``PeftModel``) gets ``True``, which reentrant checkpointing cannot run with.
 
-Where the Trainer decides: ``Trainer._wrap_model`` up to 5.2 (called in training, right after the Trainer
-enabled checkpointing, just before the model is wrapped); ``Trainer._build_accelerator_args`` from 5.3
-(called in ``Trainer.__init__``, before ``train()`` enables checkpointing).
+Fix: the Trainer method that takes the decision is wrapped, and one case changes: the user left the
+setting unset, upstream chose ``True``, neither DeepSpeed nor FSDP is in use, and the checkpoint
+function the model's layers will run (found through any wrapper, or the one the Trainer's own enable
+will build from ``gradient_checkpointing_kwargs``) is reentrant by ``_checkpointing.is_reentrant``.
+Then DDP gets ``False``. Every other decision is upstream's; ``False`` never becomes ``True``.
 
-The fix changes one case and leaves every other decision to upstream: the user left the setting unset,
-upstream chose ``True``, and the checkpoint function the model's layers will run is reentrant (the rule of
-:func:`._checkpointing.is_reentrant`) — then DDP gets ``False``. The function is the model's own when it
-already checkpoints (found through any wrapper: PEFT's, a user's), or, where the Trainer will enable
-checkpointing itself (``gradient_checkpointing=True`` at ``_build_accelerator_args`` time), the one that
-enable builds from ``gradient_checkpointing_kwargs``: the bound ``use_reentrant``; without it, torch's
-default (reentrant) when other checkpoint keywords are given, and transformers' default
-(``use_reentrant=False`` on every 5.x) when none are.
+Limits: the opposite mistake (``False`` with parameters unused in a step) is not corrected;
+checkpointing changed between ``Trainer(...)`` and ``train()`` may be judged as it was before.
+
+Full story, versions measured and references: docs/bugs.md#ddp-find-unused-for-checkpointing
 """
 
 from __future__ import annotations

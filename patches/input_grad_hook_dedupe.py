@@ -1,14 +1,19 @@
 """``input-grad-hook-dedupe``: one input-require-grads hook, however many enable cycles.
 
-Upstream bug (transformers 5.0 – 5.24 at least; docs/bugs.md#input-grad-hook-dedupe): enabling checkpointing calls
-``enable_input_require_grads()`` (when ``main_input_name == "input_ids"``), which registers a new
-forward hook on the input embeddings and overwrites ``_require_grads_hooks`` without removing the
-hooks it held; disabling removes them only for PEFT models. trl cycles checkpointing around every
-generation step, so hooks pile up: ``[1, 1, 2, 2, 3, 3]`` over three cycles.
+Symptom (silent): every checkpointing disable/enable cycle adds one more forward hook on the input
+embeddings (``1, 1, 2, 2, 3, 3, ...``): ``enable_input_require_grads()`` overwrites the handles it
+kept without removing their hooks, and disabling removes them only for PEFT models. trl cycles once
+per generation step, so the list grows for the whole run and every forward runs every hook.
 
-The fix removes the hooks the model already holds (``_require_grads_hooks`` and the single
-``_require_grads_hook`` kept for backward compatibility) before ``enable_input_require_grads``
-registers new ones.
+Fix: ``PreTrainedModel.enable_input_require_grads`` is wrapped; before upstream registers new hooks,
+the ones the model still holds (``_require_grads_hooks`` and the single ``_require_grads_hook``) are
+removed.
+
+Limits: hooks other code put on the embeddings are untouched; after a disable the last hook stays
+until the next enable, as upstream. Which embeddings get hooked is ``frozen-tower-input-grads``'
+business (it wraps the same method).
+
+Full story, versions measured and references: docs/bugs.md#input-grad-hook-dedupe
 """
 
 from __future__ import annotations

@@ -1,20 +1,19 @@
 """``load-keeps-requires-grad``: frozen parameters stay frozen when a checkpoint is loaded.
 
-Upstream bug (transformers 5.0.0 – 5.24.0 at least; docs/bugs.md#load-keeps-requires-grad): while loading, transformers replaces each
-parameter with ``nn.Parameter(value, requires_grad=value.is_floating_point())`` in
-``core_model_loading.set_param_for_module`` (and, for parameters missing from the checkpoint, in
-``modeling_utils._load_parameter_into_model``), ignoring the flag of the parameter it replaces. A
-model whose ``__init__`` freezes a base or a tower comes back fully trainable. transformers 4.x
-loads through ``load_state_dict(assign=True)``, which keeps the flag, so the patch is gated to 5.x.
+Symptom (silent): a model that froze part of itself before loading (a base, a tower, in
+``__init__``) comes out of ``from_pretrained`` fully trainable, because transformers rebuilds each
+loaded parameter with ``requires_grad=value.is_floating_point()`` and ignores the flag it replaces.
 
-The fix wraps both functions: it notes the parameter in the slot before the call and, if the new
-parameter came back trainable where the old one was frozen, freezes it again. Only that direction
-is restored: a parameter that was trainable and comes back frozen was frozen on purpose by
-transformers (quantized and integer weights), which this patch must not undo. Buffers, the
-``_extra_state`` path, ``None`` or missing slots and DTensors (which upstream already handles
-from 5.15) are left to transformers untouched. Arguments are read by name or position, so all
-three ``set_param_for_module`` signatures (5.0, 5.1 – 5.15, 5.16+) work: only the first three
-parameters, stable across them, are used.
+Fix: ``set_param_for_module`` and ``_load_parameter_into_model`` are wrapped; the parameter in the
+slot is noted before the call, and a replacement that came back trainable where the old one was
+frozen is frozen again. Arguments are read by name or position, only the leading three, which every
+signature of the loader shares (a shape probe checks them).
+
+Limits: only frozen → trainable is undone (trainable → frozen is transformers' intent for integer
+and quantized weights). Buffers, ``_extra_state``, empty slots and DTensors are left to
+transformers; freezing done after loading is not the patch's business.
+
+Full story, versions measured and references: docs/bugs.md#load-keeps-requires-grad
 """
 
 from __future__ import annotations

@@ -1,44 +1,20 @@
 """``peft-adapter-trainability``: adding or loading an adapter leaves the others' ``requires_grad`` alone.
 
-Upstream bug (peft 0.18.0 – 0.20.0 at least; fixed in 0.21.0 by huggingface/peft#3495;
-docs/bugs.md#peft-adapter-trainability): every new non-prompt adapter goes through
-``BaseTuner.inject_adapter`` (``get_peft_model``, ``PeftModel.add_adapter``,
-``PeftModel.load_adapter``, ``inject_adapter_in_model``). Its housekeeping step calls
-``self.set_adapter(self.active_adapters, inference_mode=peft_config.inference_mode)`` with the *new*
-adapter's ``inference_mode``, then ``_mark_only_adapters_as_trainable``, then freezes every parameter
-whose name contains the new adapter's name when it is in inference mode. So:
+Symptom (silent): adding or loading a second adapter applies the *new* adapter's inference mode to
+the active ones. A frozen second adapter (``load_adapter(..., is_trainable=False)``, peft's own
+PiSSA/OLoRA save conversion) freezes the trainable one, so the loss stays flat; a trainable
+``load_adapter`` next to a frozen ``default`` swaps the two.
 
-- a trainable ``default`` plus a frozen ``other`` (``load_adapter(..., is_trainable=False)``, or
-  ``add_adapter(name, config)`` with ``config.inference_mode=True``, as peft's own
-  ``save_pretrained(path_initial_model_for_weight_conversion=...)`` does) freezes ``default`` too:
-  every LoRA parameter of the model ends frozen;
-- a frozen ``default`` (``PeftModel.from_pretrained(..., is_trainable=False)``) plus a trainable
-  ``other`` (``load_adapter(..., is_trainable=True)``) makes ``default`` trainable and leaves
-  ``other`` frozen: the flags are swapped, and the optimizer trains the wrong adapter;
-- ``add_adapter`` with a trainable config on such a frozen model unfreezes ``default``.
+Fix: a backport of huggingface/peft#3495. ``BaseTuner.inject_adapter`` is wrapped: when the model
+already holds a tuner layer, every existing parameter's flag is noted before the call (the new
+adapter's own left out) and put back after it where upstream changed it. ``PeftModel.load_adapter``
+is wrapped: an adapter it added with ``is_trainable=True`` is made trainable
+(``set_requires_grad``). Calls where nothing differs pass through.
 
-peft 0.21.0 snapshots, inside ``inject_adapter``, the flag of every parameter that existed before
-the injection (the new adapter's own parameters, named ``.<adapter>.``, excepted) and puts it back
-after the housekeeping and ``set_additional_trainable_modules``; the first injection into a model
-(no tuner layer yet) is exempt, so ``get_peft_model`` still freezes the base model. A new adapter
-that is not active thus stays frozen, and ``PeftModel.load_adapter(..., is_trainable=True)`` then
-makes the adapter it just added trainable with ``set_requires_grad(adapter_name)``.
+Limits: the snapshot is taken on entry (upstream's fix takes it later); a call that raises is left
+as upstream leaves it; prompt-learning and ``PeftMixedModel`` adapters get the snapshot part only.
 
-The fix is that behaviour, at run time. ``BaseTuner.inject_adapter`` is wrapped: when the model
-already holds a tuner layer, the wrapper takes 0.21.0's snapshot before the call and, after it
-returns, gives back their flag to the parameters upstream changed. ``PeftModel.load_adapter`` is
-wrapped: when it added the adapter (the name was new) with ``is_trainable=True``, the wrapper calls
-``set_requires_grad(adapter_name)`` on it, as 0.21.0 does. Calls where nothing differs pass through.
-
-Limits: the snapshot is taken when ``inject_adapter`` is entered, where 0.21.0 takes it after its
-config checks and ``_prepare_model`` (LoRA's ``layer_replication`` adds modules there; their
-parameters are shared with existing ones, which are in the snapshot). A call that raises is left as
-upstream leaves it. ``set_requires_grad`` runs after the weights are loaded rather than before
-(loading keeps each parameter's flag, so the result is the same). The ``is_trainable=True`` part is
-not applied to prompt-learning models (peft 0.21.0 raises ``TypeError`` there) nor to
-``PeftMixedModel`` (its adapters get the snapshot part only). 0.21.0's other changes in the same
-release (UniLoRA's ``adapter_layer_names``, ``_mark_only_adapters_as_trainable`` selecting adapter
-parameters structurally rather than by name prefix) are not backported.
+Full story, versions measured and references: docs/bugs.md#peft-adapter-trainability
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """``reentrant-frozen-input-grads``: reentrant checkpointing gives trainable parameters their gradients
 when none of the layer's inputs requires grad.
 
-Upstream bug (every release measured, transformers 4.57.6 – 5.24.0; docs/bugs.md#reentrant-frozen-input-grads):
-with reentrant checkpointing (``use_reentrant=True``) the layer runs inside a ``torch.autograd.Function``
-whose output has a ``grad_fn`` only if one of its tensor *inputs* requires grad; the layer's own
-parameters do not count. When the layer's inputs are frozen (frozen embeddings, a frozen first
-layer, ``inputs_embeds`` computed by a frozen tower, a vision model whose ``main_input_name`` is
-not ``input_ids`` so transformers adds no input-require-grads hook), the checkpointed output is
-cut off from the graph, and that layer's trainable parameters, and every layer's after it, get no
-gradient at all. Nothing raises; the only trace is torch's ``UserWarning: None of the inputs have
-requires_grad=True``. Measured on 5.24: a ViT with frozen embeddings and layer 0 loses 32 of 36
-trainable parameters' gradients; a 3-layer Llama called with ``inputs_embeds`` and layer 0 frozen,
-18 of 20. Non-reentrant checkpointing is correct.
+Symptom (silent): with ``use_reentrant=True``, a checkpointed layer whose inputs are all frozen
+(frozen embeddings or first layers, ``inputs_embeds`` from a frozen tower, a vision model) gives its
+trainable parameters no gradient, nor does any checkpointed layer after it: the reentrant
+checkpoint's output joins the graph only through inputs that require grad.
 
-The fix shares its target, ``GradientCheckpointingLayer.__call__``, and its divert decision with
-``reentrant-keyword-grads`` (``patches/_reentrant.py``); the two layers stack and each can be
-switched off. A call is diverted only when the layer is checkpointing and training, grad mode is
-on, no input (positional or keyword, also nested in tuples, lists and dicts) requires grad, the
-layer's checkpoint function is reentrant, and the layer has a trainable parameter. Then, for that
-call only, the checkpoint function receives one more input: a zero-size tensor that requires grad
-on the device of the layer's first trainable parameter (an *anchor*), which the recomputation
-drops before calling the layer. The checkpointed output gets a ``grad_fn``; in backward, torch's
-reentrant checkpoint recomputes the layer with grad on and accumulates the parameters' gradients
-as a run without checkpointing does. The layer sees exactly the inputs upstream passes. A layer
-with no trainable parameter is left alone (its output correctly needs no gradient, and an anchor
-would make torch's backward raise "none of output has requires_grad=True").
+Fix: ``GradientCheckpointingLayer.__call__`` is wrapped, stacked with ``reentrant-keyword-grads``
+(shared decision in ``_reentrant.py``; never both for one call). A reentrant, training, checkpointing
+call with no grad-requiring input, on a layer with a trainable parameter, gets one extra checkpoint
+input: a zero-size tensor that requires grad (an anchor), dropped before the layer runs. Gradients
+then equal a run without checkpointing; the layer sees upstream's inputs.
 
-Limits: the parameters must be registered on the layer (FSDP1 without ``use_orig_params`` moves
-them into flat parameters outside it: such layers are left as upstream runs them). The swap has
-the same thread limit as ``reentrant-keyword-grads``. The anchor is a checkpoint input like any
-other, so a reentrant checkpoint function other than torch's must accept a zero-size tensor.
+Limits: parameters must be registered on the layer (FSDP1 flat parameters are left to upstream);
+the same one-call swap of the checkpoint function as ``reentrant-keyword-grads``; a custom
+reentrant checkpoint function must accept a zero-size input.
+
+Full story, versions measured and references: docs/bugs.md#reentrant-frozen-input-grads
 """
 
 from __future__ import annotations

@@ -1,47 +1,22 @@
 """``reentrant-keyword-grads``: reentrant checkpointing keeps the gradients of keyword tensor inputs.
 
-Upstream bug (transformers 4.57.6 – 5.24.0 at least; docs/bugs.md#reentrant-keyword-grads): a checkpointing
-``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(partial(fn, **kwargs), *args)``
-(``fn`` is ``super().__call__`` up to 5.22, the class's own ``forward`` from 5.23, where checkpointing
-wraps ``forward``). Only the positional ``args`` reach ``torch.utils.checkpoint.checkpoint``; keyword
-arguments ride inside the ``partial``. Reentrant checkpointing (``use_reentrant=True``) tracks only
-its positional tensor inputs, so a layer called as ``layer(hidden_states=h, ...)`` builds an output
-that does not depend on ``h`` for autograd: everything before the layer gets no gradient, nor,
-when no positional argument requires grad, the layer's own parameters. Nothing raises; the only
-trace is torch's ``UserWarning: None of the inputs have requires_grad=True``.
+Symptom (silent): with ``use_reentrant=True``, a ``GradientCheckpointingLayer`` called as
+``layer(hidden_states=h, ...)`` gives ``h`` (and, when no positional input requires grad, the
+layer's own weights and everything before it) no gradient: only positional arguments become inputs
+of ``torch.utils.checkpoint``; keywords ride hidden in a ``partial``. The only trace is torch's
+``UserWarning: None of the inputs have requires_grad=True``.
 
-The fix wraps ``GradientCheckpointingLayer.__call__`` (its own method up to 5.22; from 5.23 the
-shim's layer shadows the inherited ``nn.Module.__call__``, which only adds a pass-through frame).
-A call is *diverted* only when all of these hold, checked cheapest first:
+Fix: ``GradientCheckpointingLayer.__call__`` is wrapped. A call that is checkpointing, training, in
+grad mode, with a reentrant checkpoint function (the rule in ``_checkpointing.is_reentrant``) and a
+grad-requiring tensor in its keywords (also nested in tuples, lists, dicts) gets those tensors passed
+as extra checkpoint inputs, put back into their keyword places on every run of the layer. Every other
+call goes straight through.
 
-- it has keyword arguments, the layer's ``gradient_checkpointing`` flag is set and it is training;
-- a keyword argument holds a tensor that requires grad, at the top level or nested in tuples
-  (named tuples included), lists and dicts;
-- grad mode is on;
-- the layer's ``_gradient_checkpointing_func`` is *reentrant*: the rule is the ``use_reentrant``
-  keyword bound into it with ``functools.partial`` (nested partials are read outermost first), and
-  when there is none, torch's own default, which is reentrant (torch 2.x warns and uses
-  ``use_reentrant=True``). transformers always binds the keyword when it builds the function
-  without user arguments (``True`` in 4.57, ``False`` from 5.0); a user's kwargs without it get
-  torch's default. A function that is no partial at all (plain ``checkpoint``, DeepSpeed's
-  reentrant-style ``checkpoint``, a closure) is treated as reentrant too: lifting is correct for
-  any function that runs ``fn(*args)``.
+Limits: tensors in other containers (dataclasses, ``ModelOutput``) are not lifted; a layer's
+``forward`` called directly is not covered; the checkpoint function is swapped on the instance for
+one call, so two threads running the same layer object may see each other's swap.
 
-For a diverted call the layer's function is swapped, for the duration of that call only, for a
-lifting one: when the layer hands it ``partial(fn, **kwargs)`` and ``args``, it calls the real
-function with ``recompute, *args, *lifted``, where ``lifted`` are the grad-requiring tensors found in
-the partial's keywords and ``recompute`` puts the tensors it receives back into their keyword
-places (same containers, every other object kept as is) before calling ``fn``. Autograd then sees
-them as checkpoint inputs, in the first pass and in the recomputation, and RNG state is recorded for
-their devices. Everything else about the layer's own call (its cache-argument edits, warnings,
-hooks) is upstream's. Every other call goes straight to the wrapped ``__call__`` unchanged.
-
-Limits: the swap writes the instance attribute, so two threads running the *same* layer object
-at once may see each other's swap (it is undone by identity, and each thread's own call keeps
-its function). Tensors hidden in other containers (dataclasses, ``ModelOutput``) are not lifted.
-Positional arguments are passed as upstream passes them: a tensor nested in a *positional* tuple
-is torch's documented reentrant limit (only top-level positional tensors are inputs), not this bug.
-A layer's ``forward`` called directly (not through the module call) is not covered.
+Full story, versions measured and references: docs/bugs.md#reentrant-keyword-grads
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """``trl-restore-on-error``: an exception during trl's generation leaves checkpointing on.
 
-Upstream bug (trl 0.22 – 1.16 at least; docs/bugs.md#trl-restore-on-error): ``unwrap_model_for_generation`` switches gradient
-checkpointing off, yields the model for generation, and switches it back on after the ``yield``
-with no ``try/finally``. An exception in the body (a bad sample, an interrupted generation that
-the trainer catches) leaves checkpointing off for the rest of training; under ZeRO-3 the parameter
-hooks it removed before generating stay removed too.
+Symptom (silent): trl's generation context manager switches checkpointing off (and, under ZeRO-3,
+removes DeepSpeed's parameter hooks), yields, and switches it back on with no ``try/finally``. An
+exception in the body that the trainer catches leaves checkpointing off, and the hooks removed, for
+the rest of training.
 
-The fix wraps the generator context manager (``_unwrap_model_for_generation`` from trl 0.29,
-``unwrap_model_for_generation`` before it) in a context that, only when the body raised, re-enables
-checkpointing with the ``gradient_checkpointing_kwargs`` the caller passed by keyword (the
-``checkpointing-restore`` patch brings back the rest) and re-adds trl's ZeRO-3 hooks if they are still removed. The normal path is trl's own code,
-untouched. Trainer modules that bound the old public name at import are rebound.
+Fix: the context manager is wrapped in one that runs trl's own code untouched when the body
+succeeds. Only when the body raised does it re-add trl's ZeRO-3 hooks if they are missing and
+re-enable checkpointing if it was on at entry, with the ``gradient_checkpointing_kwargs`` the caller
+passed (``checkpointing-restore`` brings back the rest). Trainer modules that imported the public
+name early are rebound (``consumers``).
+
+Limits: the original exception always propagates; a failing clean-up is logged, never raised in
+its place. Only kwargs passed by keyword are forwarded; other trl contexts are not wrapped.
+
+Full story, versions measured and references: docs/bugs.md#trl-restore-on-error
 """
 
 from __future__ import annotations

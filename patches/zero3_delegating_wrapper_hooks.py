@@ -1,23 +1,20 @@
 """``zero3-delegating-wrapper-hooks``: a module that forwards attribute lookups gets its own ZeRO-3 hooks.
 
-Upstream bug (DeepSpeed 0.19.2 and before, fixed in 0.19.3 by deepspeedai/DeepSpeed#8144;
-docs/bugs.md#zero3-delegating-wrapper-hooks): ``DeepSpeedZeRoOffload._register_deepspeed_module``
-registers a module's children first, then gives the module its backward-hook classes unless
-``hasattr(module, "pre_bwd_fn")`` / ``hasattr(module, "post_bwd_fn")`` says it has them. A wrapper whose
-``__getattr__`` forwards unknown attributes to the module it wraps — PEFT's ``ModulesToSaveWrapper``
-(``modules_to_save=["lm_head"]``) and ``PeftModel``, torch's ``CheckpointWrapper`` — answers that with
-its child's classes, so DeepSpeed skips its own. Those classes are closures over the child: the
-wrapper's first forward counts gradients on the child before the child has its counter, and training
-stops with ``AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'``. Likewise
-``hasattr(ctx.module, "applied_pre_backward_ref_cnt")`` reads the child's counter.
+Symptom: under DeepSpeed ZeRO-3, a PEFT model with ``modules_to_save=["lm_head"]`` (or a module
+inside torch's ``CheckpointWrapper``) fails in its first forward with ``AttributeError: 'Linear'
+object has no attribute 'ds_grads_remaining'``: DeepSpeed asks ``hasattr(module, "pre_bwd_fn")``,
+the wrapper's ``__getattr__`` answers with its child's hook classes, and the wrapper gets none.
 
-0.19.3 asks the module's own ``__dict__`` instead. The fix gets the same answer from the 0.19.2 code:
-while DeepSpeed registers a model, each module's ``pre_bwd_fn`` / ``post_bwd_fn`` are taken out of its
-``__dict__`` as soon as its own registration returns, and put back when the outermost registration
-returns. An ancestor's ``hasattr`` then finds only what the ancestor itself holds, whatever its
-``__getattr__`` forwards to; nothing else reads these attributes during registration (the hooks read
-them when the model runs). A forwarding module that got its own classes this way also gets its own
-``applied_pre_backward_ref_cnt`` (0), as 0.19.3's ``__dict__`` check gives it at its first forward.
+Fix: a backport of deepspeedai/DeepSpeed#8144 without changing DeepSpeed's code.
+``_register_deepspeed_module`` is wrapped: while a model registers, each module's ``pre_bwd_fn`` /
+``post_bwd_fn`` leave its ``__dict__`` once its own registration returns and come back when the
+outermost one does, so an ancestor's ``hasattr`` sees only its own. A forwarding module that got its
+own classes this way also gets its own ``applied_pre_backward_ref_cnt`` of 0.
+
+Limits: only ``_register_deepspeed_module`` is covered; a module that already had its own classes
+keeps them.
+
+Full story, versions measured and references: docs/bugs.md#zero3-delegating-wrapper-hooks
 """
 
 from __future__ import annotations

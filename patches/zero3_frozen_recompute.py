@@ -1,32 +1,21 @@
 """``zero3-frozen-recompute``: ZeRO-3 keeps a frozen parameter gathered while a recomputation still needs it.
 
-Upstream bug (DeepSpeed 0.19.0 – 0.19.2 read and 0.19.2 measured, fixed in 0.19.3 by deepspeedai/DeepSpeed#8148;
-docs/bugs.md#zero3-frozen-recompute): non-reentrant checkpointing (transformers' default from 5.0) runs
-each checkpointed layer's forward again inside backward. ZeRO-3's forward hooks fire on that
-recomputation too: the pre-hook gathers the layer's parameters, the post-hook partitions them again
-*in place* (``param.data`` becomes an empty tensor). torch's checkpoint detaches the tensors it saves
-during the recomputation only when they require grad, so it still holds the live frozen parameters
-(LoRA's base weights, frozen norms), now of shape ``[0]``, and its metadata check fails:
-``torch.utils.checkpoint.CheckpointError: Recomputed values for the following tensors have different
-metadata than during the forward pass ... recomputed metadata: {'shape': torch.Size([0]) ...}``.
+Symptom: under DeepSpeed ZeRO-3, non-reentrant checkpointing on a model with any frozen parameter
+(every LoRA run) fails in the first backward with ``CheckpointError: Recomputed values ... have
+different metadata`` (``recomputed metadata: {'shape': torch.Size([0]) ...}``): ZeRO-3 partitions the
+recomputed layer's parameters in place while torch's checkpoint still holds the live frozen ones.
 
-The fix is the behaviour of 0.19.3, put on the 0.19.2 coordinator (``PartitionedParameterCoordinator``):
+Fix: a backport of deepspeedai/DeepSpeed#8148 onto ``PartitionedParameterCoordinator``. Frozen
+parameters gathered by a forward fetch inside backward (a recomputation) are attributed to the
+module whose backward is running and stay gathered until that module's backward release; whatever
+such modules still hold is released after the ZeRO-3 optimizer's ``backward_epilogue``.
 
-- a backward fetch of a module (``fetch_sub_module(module, forward=False)``) records it as an active
-  backward module (per coordinator, ordered, keyed by ``ds_id``);
-- a forward fetch that runs inside backward (``torch._C._current_graph_task_id() != -1``: a
-  recomputation) attributes each *frozen* parameter it gathered to the most recent active backward
-  module: the parameter is kept in that module's set and the module's id is added to the parameter's
-  ``ds_active_sub_modules``, so the recomputation's forward release leaves it gathered;
-- the backward release of that module (``release_sub_module(module, forward=False)``) takes the ids off
-  again and partitions the parameters it kept (persistent and external ones excepted, as upstream);
-- at the end of backward (``DeepSpeedZeroOptimizer_Stage3.backward_epilogue``) the parameters kept for
-  modules whose backward release never came are released and the active list is cleared.
+Limits: trainable parameters are left to DeepSpeed (torch saves them detached). A module whose
+backward release never comes keeps its *own* parameters gathered until its next forward release
+(upstream's fix releases them at the end of backward). A release whose ZeRO-3 optimizer has no
+``backward_epilogue`` is skipped.
 
-Trainable parameters are untouched (torch saves them detached). 0.19.3 also releases, at the end of
-backward, the *own* parameters of modules whose backward release never came; the shim leaves those as
-0.19.2 does. Releases before 0.19.0 lack ``backward_epilogue`` on the ZeRO-3 optimizer: the patch is
-skipped there with that reason.
+Full story, versions measured and references: docs/bugs.md#zero3-frozen-recompute
 """
 
 from __future__ import annotations

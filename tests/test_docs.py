@@ -1,18 +1,21 @@
-"""The project documents itself: every patch has its section in docs/bugs.md, references are public,
-and no file of the project points outside the repository."""
+"""The project documents itself: every patch has its section in docs/bugs.md, a README row and a test
+file; its module docstring is short and points at its section; references are public; links between
+the documents resolve; and no file of the project points outside the repository."""
 
+import ast
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
 import shim
-from shim import patches as catalogue
 from tests.conftest import ROOT
 
 BUGS = ROOT / "docs" / "bugs.md"
+README = ROOT / "README.md"
 PUBLIC = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+#\d+$")  # owner/repo#N
-NAMES = [row["name"] for row in catalogue.INDEX]
+NAMES = list(shim.registry.names)
 
 
 def sections() -> dict[str, str]:
@@ -40,6 +43,111 @@ def test_references_are_public_or_the_projects_own_document(name):
         else:
             assert PUBLIC.match(reference), reference
             assert reference in section, f"{reference} is cited by the patch but not explained in docs/bugs.md"
+
+
+def module_name(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def missing_pieces(name: str, root: Path = ROOT) -> list[str]:
+    """What patch ``name`` lacks of its documentation and tests: a docs/bugs.md section, a row in the
+    README's patch table (the row links to the section) and ``tests/test_<module>.py``."""
+    missing = []
+    bugs = (root / "docs" / "bugs.md").read_text()
+    if not re.search(rf"^## {re.escape(name)}$", bugs, flags=re.MULTILINE):
+        missing.append(f"a section '## {name}' in docs/bugs.md")
+    row = re.compile(rf"^\| `{re.escape(name)}` \|.*\(docs/bugs\.md#{re.escape(name)}\)", flags=re.MULTILINE)
+    if not row.search((root / "README.md").read_text()):
+        missing.append(f"a row in the README's patch table linking docs/bugs.md#{name}")
+    own_file = (root / "tests" / f"test_{module_name(name)}.py").is_file()
+    # A patch that needs a distributed engine (DeepSpeed) is tested end to end, in its environment.
+    end_to_end = any(name in path.read_text() for path in (root / "tests" / "e2e").glob("test_*.py"))
+    if not (own_file or end_to_end):
+        missing.append(f"tests/test_{module_name(name)}.py (or an end-to-end test in tests/e2e/)")
+    return missing
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_patch_has_its_section_readme_row_and_tests(name):
+    assert missing_pieces(name) == []
+
+
+def test_a_missing_section_row_or_test_file_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "docs" / "bugs.md").write_text("## other-patch\n")
+    (tmp_path / "README.md").write_text("| `other-patch` | fixes | [bugs.md](docs/bugs.md#other-patch) |\n")
+    (tmp_path / "tests" / "test_other_patch.py").write_text("")
+    assert missing_pieces("other-patch", tmp_path) == []
+    assert len(missing_pieces("new-patch", tmp_path)) == 3
+    # A row of the generated compatibility table names the patch but is not its row in the patch table.
+    (tmp_path / "README.md").write_text("| `new-patch` | `transformers>=5.0` | applied, fixed |\n")
+    assert "a row in the README's patch table linking docs/bugs.md#new-patch" in missing_pieces("new-patch", tmp_path)
+
+
+def public_references(name: str) -> list[str]:
+    return [reference for reference in shim.registry.patch(name).references if PUBLIC.match(reference)]
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if public_references(name)])
+def test_the_readme_row_names_a_public_reference_of_the_patch(name):
+    public = public_references(name)
+    row = next(line for line in README.read_text().splitlines() if line.startswith(f"| `{name}` |"))
+    assert any(reference in row for reference in public), f"the README row of {name} cites none of {public}"
+
+
+VERSION = re.compile(r"(?<![\w.])\d+\.(?:\d+|x)(?:\.\d+)*(?![\w.×])")  # 5.23, 0.19.3, 5.x; not 3.4×
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_patch_docstring_is_short_points_at_its_section_and_names_no_version(name):
+    """Versions live in docs/bugs.md and the generated compatibility table, nowhere else."""
+    source = (ROOT / "patches" / f"{module_name(name)}.py").read_text()
+    docstring = ast.get_docstring(ast.parse(source)) or ""
+    assert f"docs/bugs.md#{name}" in docstring
+    assert len(docstring.splitlines()) <= 20, "about 15 lines: the full story belongs in docs/bugs.md"
+    assert VERSION.findall(docstring) == []
+
+
+def documents() -> list[Path]:
+    return [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file."""
+    seen: dict[str, int] = {}
+    result = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", without_code_blocks(path.read_text()), flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        result.add(slug if count == 0 else f"{slug}-{count}")
+    return result
+
+
+def test_the_anchor_rule_matches_github():
+    assert "shim-run-the-shim-on-every-process-no-code-change" in anchors(README)
+    assert "compatibility" in anchors(README)
+
+
+@pytest.mark.parametrize("document", documents(), ids=lambda path: str(path.relative_to(ROOT)))
+def test_links_between_the_documents_resolve(document):
+    broken = []
+    text = without_code_blocks(document.read_text())
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        path = (document.parent / file).resolve() if file else document
+        if not path.exists() or ROOT not in (path, *path.parents):
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(target)
+    assert broken == []
 
 
 def test_no_file_of_the_project_names_a_path_outside_it():
