@@ -71,14 +71,14 @@ INDEX = (
         "module": "reentrant_keyword_grads",
         "distribution": "transformers",
         "requires": ">=4.57",
-        "modules": ("transformers.modeling_layers",),
+        "modules": ("transformers.modeling_utils",),
     },
     {
         "name": "reentrant-frozen-input-grads",
         "module": "reentrant_frozen_input_grads",
         "distribution": "transformers",
         "requires": ">=4.57",
-        "modules": ("transformers.modeling_layers",),
+        "modules": ("transformers.modeling_utils",),
     },
     {
         "name": "trl-restore-on-error",

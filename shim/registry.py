@@ -134,8 +134,9 @@ class Registry:
         return entry.state == APPLIED and bool(entry.switch)
 
     def switch_of(self, name: str) -> Switch:
-        """The live on/off switch of patch ``name`` (true while it acts), for a hook the patch
-        installs outside its wrappers: it follows ``disable``, ``disabled`` and ``deactivate``."""
+        """The live on/off switch of patch ``name``, for a hook or function the patch installs
+        outside its wrappers: true while the patch is applied and switched on (it follows
+        ``SHIM_DISABLE``, ``disable``, ``disabled`` and ``deactivate``)."""
         return self._entry(name).switch
 
     # -- reporting ------------------------------------------------------------------------------

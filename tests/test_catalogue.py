@@ -199,3 +199,17 @@ def test_without_the_catalogue_the_shim_warns_and_still_imports(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("True [] ")
     assert "catalogue shim.patches cannot be imported" in result.stdout and "pip install -e ." in result.stdout
+
+
+def test_no_patch_wraps_a_modules_call_or_forward():
+    """A fix sits where the bug is, never on the hot call path of a module: a call that cannot need a
+    fix must run no code of the shim (and torch.compile must see stock classes)."""
+    from shim.catalogue import declared
+
+    on_call_path = [
+        f"{patch.name}: {target.spec}"
+        for patch in declared()
+        for target in patch.targets
+        if target.path.rpartition(".")[2] in ("__call__", "forward", "_call_impl", "_wrapped_call_impl")
+    ]
+    assert on_call_path == []

@@ -6,12 +6,15 @@ run without checkpointing with it on.
 """
 
 import contextlib
+import functools
 import warnings
 
 import pytest
 import torch
 import transformers
-import transformers.modeling_layers  # noqa: F401  (the target module: the patch applies when it is imported)
+import transformers.modeling_layers
+import transformers.modeling_utils  # noqa: F401  (the target module: the patch applies when it is imported)
+from torch.utils.checkpoint import checkpoint
 
 import shim
 from shim import effects
@@ -75,9 +78,9 @@ def switched_off(*names):
 
 def test_patch_is_applied_and_stacked_with_reentrant_keyword_grads():
     assert shim.registry.is_on(NAME) and shim.registry.is_on(KEYWORDS)
-    layer_call = transformers.modeling_layers.GradientCheckpointingLayer.__call__
-    assert find_shim_wrapper(layer_call, NAME) is not None
-    assert find_shim_wrapper(layer_call, KEYWORDS) is not None
+    enable_path = transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing
+    assert find_shim_wrapper(enable_path, NAME) is not None
+    assert find_shim_wrapper(enable_path, KEYWORDS) is not None
 
 
 @pytest.mark.parametrize("build", [frozen_vit, frozen_input_llama], ids=["vit", "llama-inputs-embeds"])
@@ -153,6 +156,48 @@ def test_no_grad_and_eval_calls_are_left_alone():
     reference = trainable_grads(model, loss_of)
     assert all(grad is not None for grad in reference.values())
     assert effects.count(NAME) == before
+
+
+class ConditionalAdapter(transformers.modeling_layers.GradientCheckpointingLayer):
+    """A frozen layer with a trainable adapter it uses only when asked (a conditional adapter, an
+    idle expert): a call without it leaves every trainable parameter of the layer unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.adapter = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_adapter=False):
+        out = self.base(x)
+        return out + self.adapter(x) if use_adapter else out
+
+
+@pytest.mark.parametrize("use_adapter", [False, True], ids=["adapter-unused", "adapter-used"])
+def test_an_anchored_call_that_leaves_the_trainable_parameters_unused_still_backpropagates(use_adapter):
+    def step(checkpointing):
+        torch.manual_seed(0)
+        layer, head = ConditionalAdapter(), torch.nn.Linear(4, 1)
+        layer.train()
+        if checkpointing:
+            transformers.PreTrainedModel._set_gradient_checkpointing(
+                layer, enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=True)
+            )
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))  # frozen input
+        head(layer(x, use_adapter=use_adapter)).sum().backward()
+        return {name: p.grad for name, p in [*layer.named_parameters(), *head.named_parameters()] if p.requires_grad}
+
+    reference = step(checkpointing=False)
+    with shim.disabled(NAME):
+        upstream = step(checkpointing=True)  # upstream runs: nothing reaches the checkpoint in backward
+    patched = step(checkpointing=True)  # the anchor must not make torch's backward raise
+    for name, expected in reference.items():
+        assert (patched[name] is None) == (expected is None), name
+        if expected is not None:
+            torch.testing.assert_close(patched[name], expected, msg=name)
+    if use_adapter:
+        assert upstream["adapter.weight"] is None, "bug: upstream loses the adapter's gradient"
+    else:
+        assert upstream["adapter.weight"] is None and patched["adapter.weight"] is None
 
 
 def keyword_frozen_input_grads(model, embeds, ids):

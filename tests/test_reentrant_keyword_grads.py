@@ -18,8 +18,9 @@ from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
 import shim
-import shim.patches.reentrant_keyword_grads as module
-from shim.patches._checkpointing import is_reentrant
+from shim.patches import _reentrant
+from shim.patches._checkpointing import is_reentrant, same_function
+from shim.patches._reentrant import ReentrantCheckpoint
 from shim.tinymodels import (
     enable_checkpointing,
     keyword_driven_grads,
@@ -53,16 +54,28 @@ def _applied_and_quiet():
 
 @pytest.fixture
 def diversions(monkeypatch):
-    """How many layer calls the patch diverted (its lifting path), counted from the wrapper."""
+    """The layers whose calls the patch diverted (its lifting path), counted at the lifting step."""
     calls = []
-    original = module._diverted
+    original = _reentrant.lift
 
-    def counting(*args):
-        calls.append(args[1])
-        return original(*args)
+    def counting(checkpoint, layer, *args):
+        try:
+            result = original(checkpoint, layer, *args)
+        except BaseException:  # raised by the layer inside the checkpoint: the call was lifted
+            calls.append(layer)
+            raise
+        if result is not None:  # None: nothing to lift, the call goes on as upstream's
+            calls.append(layer)
+        return result
 
-    monkeypatch.setattr(module, "_diverted", counting)
+    monkeypatch.setattr(_reentrant, "lift", counting)
     return calls
+
+
+def enable_on(layer, function):
+    """Enable checkpointing with ``function`` through transformers' own ``_set_gradient_checkpointing``
+    (the enable path), on a bare layer as on a model."""
+    transformers.PreTrainedModel._set_gradient_checkpointing(layer, enable=True, gradient_checkpointing_func=function)
 
 
 def tiny_llama(layers=3, **overrides):
@@ -79,7 +92,7 @@ def input_ids(model, batch=2, length=8):
 
 def test_patch_is_applied():
     assert shim.registry.is_on(NAME)
-    assert module._probe() is None
+    assert _reentrant.probe() is None
 
 
 # -- the measured case -------------------------------------------------------------------------
@@ -114,10 +127,11 @@ def _offload_on_cpu(monkeypatch):
 
 
 def _enabled_by_other_code(function):
+    """Checkpointing enabled with a function of one's own through ``_set_gradient_checkpointing``,
+    as training frameworks that bring their own checkpoint function do."""
+
     def enable(model):
-        for layer in model.model.layers:
-            layer.gradient_checkpointing = True
-            layer._gradient_checkpointing_func = function
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=function)
 
     return enable
 
@@ -166,6 +180,7 @@ def test_every_checkpoint_function(how, reentrant, monkeypatch, diversions):
         enable_checkpointing(model, how)
     function = model.model.layers[0]._gradient_checkpointing_func
     assert is_reentrant(function) is reentrant
+    assert isinstance(function, ReentrantCheckpoint) is reentrant, "only a reentrant function is handed on as ours"
 
     with shim.disabled(*UPSTREAM):
         upstream = keyword_driven_grads(model, ids)
@@ -178,7 +193,7 @@ def test_every_checkpoint_function(how, reentrant, monkeypatch, diversions):
         assert wrong_grads(reference, upstream) == []
         assert diversions == [], "non-reentrant calls must go straight through"
     assert wrong_grads(reference, patched) == []
-    # the layer's own function is back in place after every call
+    # every layer holds the one function the enable handed out, untouched by the calls
     assert all(layer.__dict__["_gradient_checkpointing_func"] is function for layer in model.model.layers)
 
 
@@ -243,8 +258,7 @@ def run(spec, checkpointing):
     layer = Mixer()
     layer.train()
     if checkpointing is not None:
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=checkpointing)
+        enable_on(layer, functools.partial(checkpoint, use_reentrant=checkpointing))
     args, kwargs, leaves = build(spec)
     output = layer(*args, **kwargs)
     output.square().sum().backward()
@@ -305,16 +319,22 @@ def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
     # A tensor nested in a positional tuple loses its gradient with or without keywords; that is
     # torch's documented limit, not this bug, and the patch passes positional arguments as they are.
     args, _, _ = build(spec)
-    assume(not (reentrant and any(not isinstance(a, torch.Tensor) and module._wants_grad(a) for a in args)))
+    assume(not (reentrant and any(not isinstance(a, torch.Tensor) and _reentrant.wants_grad(a) for a in args)))
     expected_output, expected = run(spec, None)
 
     calls = []
-    original = module._diverted
-    module._diverted = lambda *a: calls.append(1) or original(*a)
+    original = _reentrant.lift
+
+    def counting(*arguments):
+        result = original(*arguments)
+        calls.extend([1] if result is not None else [])
+        return result
+
+    _reentrant.lift = counting
     try:
         output, grads = run(spec, reentrant)
     finally:
-        module._diverted = original
+        _reentrant.lift = original
     if reentrant and spec in (MEASURED, NESTED_ONLY):
         assert upstream_is_wrong(spec, reentrant, expected), "bug: upstream drops the keyword tensor's gradient"
 
@@ -325,15 +345,14 @@ def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
         else:
             torch.testing.assert_close(grads[name], want, msg=name)
     _, kwargs, _ = build(spec)
-    keyword_grads = any(module._wants_grad(value) for value in kwargs.values())
+    keyword_grads = any(_reentrant.wants_grad(value) for value in kwargs.values())
     assert len(calls) == (1 if reentrant and keyword_grads else 0)
 
 
 def test_non_grad_paths_are_untouched(diversions):
     args, kwargs, _ = build({**MEASURED, "kinds": dict.fromkeys(NAMES, "computed")})
     layer = Mixer()
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=True)
+    enable_on(layer, functools.partial(checkpoint, use_reentrant=True))
     layer.eval()
     layer(*args, **kwargs)
     layer.train()
@@ -344,17 +363,39 @@ def test_non_grad_paths_are_untouched(diversions):
     assert diversions == []
 
 
-def test_function_restored_when_the_layer_raises(diversions):
+def test_the_layers_function_is_untouched_when_the_layer_raises(diversions):
     layer = Mixer()
     layer.train()
-    function = functools.partial(checkpoint, use_reentrant=True)
-    layer.gradient_checkpointing = True
-    layer._gradient_checkpointing_func = function
+    enable_on(layer, functools.partial(checkpoint, use_reentrant=True))
+    function = layer.__dict__["_gradient_checkpointing_func"]
     x = torch.randn(2, 4, requires_grad=True) * 1
     with pytest.raises(RuntimeError):
         layer(x=x, y=torch.randn(3, 5))  # shape mismatch inside forward
     assert diversions == [layer]
     assert layer.__dict__["_gradient_checkpointing_func"] is function
+
+
+def test_the_function_a_layer_holds_reads_compares_pickles_and_copies_as_upstreams():
+    import copy
+    import pickle
+
+    upstream = functools.partial(checkpoint, use_reentrant=True, preserve_rng_state=False)
+    layer = Mixer()
+    enable_on(layer, upstream)
+    ours = layer._gradient_checkpointing_func
+    assert isinstance(ours, ReentrantCheckpoint) and isinstance(ours, functools.partial)
+    assert (ours.func, ours.args, ours.keywords) == (upstream.func, upstream.args, upstream.keywords)
+    assert same_function(ours, upstream) and is_reentrant(ours)
+    unpickled = pickle.loads(pickle.dumps(ours))  # a model saved with the shim loads without it
+    assert type(unpickled) is functools.partial and same_function(unpickled, upstream)
+    assert type(copy.copy(ours)) is type(copy.deepcopy(ours)) is ReentrantCheckpoint
+    assert type(copy.deepcopy(layer)._gradient_checkpointing_func) is ReentrantCheckpoint
+    # handed out once: a second enable with it keeps it, a non-reentrant one is upstream's own
+    enable_on(layer, ours)
+    assert layer._gradient_checkpointing_func is ours
+    non_reentrant = functools.partial(checkpoint, use_reentrant=False)
+    enable_on(layer, non_reentrant)
+    assert layer._gradient_checkpointing_func is non_reentrant
 
 
 # -- recomputation, hooks, full model ----------------------------------------------------------
@@ -460,22 +501,25 @@ def test_probe_detects_a_changed_call_shape(monkeypatch):
             return super().__call__(*args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_layers, "GradientCheckpointingLayer", Changed)
-    assert "functools.partial" in module._probe()
+    assert "functools.partial" in _reentrant.probe()
 
 
-def test_deactivate_restores_the_class():
+def test_no_class_level_layer_and_deactivate_restores_the_enable_path():
     run_python(
         """
-        import transformers.modeling_layers as m
-        original = vars(m.GradientCheckpointingLayer).get("__call__")  # None from 5.23: inherited
+        import torch, transformers.modeling_layers as layers, transformers.modeling_utils as utils
+        call, forward = vars(layers.GradientCheckpointingLayer).get("__call__"), torch.nn.Module.__call__
+        original = vars(utils.PreTrainedModel)["_set_gradient_checkpointing"]
         import shim
-        assert shim.registry.is_on("reentrant-keyword-grads")
         from shim.wrapping import find_shim_wrapper
-        layer = vars(m.GradientCheckpointingLayer)["__call__"]
-        assert find_shim_wrapper(layer, "reentrant-keyword-grads") is not None
-        assert find_shim_wrapper(layer, "reentrant-frozen-input-grads") is not None  # stacked on it
+        assert shim.registry.is_on("reentrant-keyword-grads") and shim.registry.is_on("reentrant-frozen-input-grads")
+        # nothing of the shim's on the layer's call path
+        assert vars(layers.GradientCheckpointingLayer).get("__call__") is call and torch.nn.Module.__call__ is forward
+        enable = vars(utils.PreTrainedModel)["_set_gradient_checkpointing"]
+        assert find_shim_wrapper(enable, "reentrant-keyword-grads") is not None
+        assert find_shim_wrapper(enable, "reentrant-frozen-input-grads") is not None  # stacked on it
         shim.deactivate()
-        assert vars(m.GradientCheckpointingLayer).get("__call__") is original
+        assert vars(utils.PreTrainedModel)["_set_gradient_checkpointing"] is original
         shim.activate()
         assert shim.registry.is_on("reentrant-keyword-grads")
         """
