@@ -78,16 +78,16 @@ class ReentrantCheckpoint(_partial):
     def __call__(self, function, *args, **options):
         keywords_on, frozen_on = _switches or _bind()
         if (keywords_on or frozen_on) and type(function) is _partial and _torch.is_grad_enabled():
-            layer = layer_of(function)
-            if layer is not None:
-                if keywords_on and function.keywords:
-                    lifted = lift(self, layer, function, args, options)
-                    if lifted is not None:
-                        return lifted
-                if frozen_on and not any(wants_grad(value) for value in (*args, *function.keywords.values())):
-                    trainable = first_trainable(layer)
-                    if trainable is not None:
-                        return anchor(self, layer, trainable.device, function, args, options)
+            keywords = function.keywords
+            if keywords_on and keywords and any(wants_grad(value) for value in keywords.values()):
+                layer = layer_of(function)
+                if layer is not None:
+                    return lift(self, layer, function, args, options)
+            elif frozen_on and not any(wants_grad(value) for value in args):
+                layer = layer_of(function)
+                trainable = first_trainable(layer) if layer is not None else None
+                if trainable is not None and not any(wants_grad(value) for value in keywords.values()):
+                    return anchor(self, layer, trainable.device, function, args, options)
         return self.run(function, *args, **options)
 
     def run(self, *args, **options):
@@ -212,12 +212,9 @@ def _default():
 
 
 def lift(checkpoint: ReentrantCheckpoint, layer, function, args, options):
-    """Run ``function`` with its grad-requiring keyword tensors as checkpoint inputs; ``None``
-    when it has none."""
+    """Run ``function`` with its grad-requiring keyword tensors as checkpoint inputs."""
     lifted: list = []
     template = {key: _lift(value, lifted) for key, value in function.keywords.items()}
-    if not lifted:
-        return None
     run, bound, count = function.func, function.args, len(args)
     record_effect(
         KEYWORDS,
