@@ -94,7 +94,7 @@ def parse_args(argv=None):
     args.steps_per_block = 3 if quick else 8
     args.cycles_per_block = 5 if quick else 100  # ~50 ms blocks: long enough to shrug off scheduler noise
     args.replay_seconds = 0.01 if quick else 0.1
-    args.only = args.only or list(SECTIONS)
+    args.only = list(dict.fromkeys(args.only or SECTIONS))
     return args
 
 
