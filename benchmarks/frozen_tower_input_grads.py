@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_utils  # noqa: E402,F401  (the patch applies on this import)
-from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
+from harness import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
@@ -51,13 +51,6 @@ from shim.tinymodels import (  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")
-
-
-def build(depth: int, width: int, image: int):
-    """The patch's own tiny Qwen2-VL with a ``depth``-block vision tower of ``width``, frozen."""
-    model, inputs = tiny_qwen2_vl(depth, width, image)
-    vision_tower(model).requires_grad_(False)
-    return model, inputs
 
 
 def step(model, inputs, mode: str) -> dict:
@@ -105,7 +98,8 @@ def main() -> None:
     torch.set_num_threads(options.threads)
     quiet_transformers()
     warnings.simplefilter("ignore")
-    model, inputs = build(options.depth, options.width, options.image)
+    model, inputs = tiny_qwen2_vl(options.depth, options.width, options.image)
+    vision_tower(model).requires_grad_(False)  # the frozen tower, the language model training
     enable(model, None)  # transformers' default checkpointing kwargs
     assert shim.registry.is_on(NAME), shim.status()
 

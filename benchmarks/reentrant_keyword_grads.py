@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
-from _steps import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
+from harness import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.tinymodels import (  # noqa: E402
     enable_checkpointing,
     keyword_driven_grads,
     quiet_transformers,
-    tiny_llama_config,
+    tiny_llama,
     wrong_grads,
 )
 
@@ -141,18 +141,17 @@ def main() -> None:
     assert shim.registry.is_on(NAME), shim.status()
 
     torch.manual_seed(0)
-    config = tiny_llama_config(
+    model = tiny_llama(
+        options.layers,
         hidden_size=options.hidden,
         intermediate_size=options.hidden * 4,
-        num_hidden_layers=options.layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         vocab_size=1024,
         max_position_embeddings=options.seq,
     )
-    model = transformers.LlamaForCausalLM(config)
     model.train()
-    input_ids = torch.randint(0, config.vocab_size, (options.batch, options.seq))
+    input_ids = torch.randint(0, model.config.vocab_size, (options.batch, options.seq))
 
     # Correctness first (and warm-up): every checkpointed mode must give the reference gradients.
     configure(model, "none")
