@@ -12,7 +12,19 @@ under ``shim.disabled()``. On and off alternate ABBA; CPU time of the process, w
 from __future__ import annotations
 
 from harness import HEADERS, compare, comparison_row, interleave, table, timed
-from workloads import batch, inert, load, train_step, training_model, trl_cycle, trl_reference_cycle
+from workloads import (
+    batch,
+    generate,
+    inert,
+    load,
+    plain_cycle,
+    train_step,
+    training_model,
+    trl_cycle,
+    trl_reference_cycle,
+)
+
+GENERATED_TOKENS = 64
 
 
 def measure(args, directory: str, log) -> dict:
@@ -43,6 +55,34 @@ def measure(args, directory: str, log) -> dict:
         on, off = interleave(lambda: timed(block_on, n), lambda: timed(block_off, n), args.rounds * 2)
         out[f"step_{name}"] = compare(on, off)
         del model_on, model_off, opt_on, opt_off
+
+    log(f"generate() of {GENERATED_TOKENS} greedy tokens in process")
+    model_on, _ = training_model(config, False)
+    with shim.disabled():
+        model_off, _ = training_model(config, False)
+    for model in (model_on, model_off):
+        model.eval()
+        model.generation_config.pad_token_id = 0
+    prompt = input_ids[:1, :8]
+    block_on = lambda: generate(model_on, prompt, GENERATED_TOKENS)
+    block_off = lambda: inert(lambda: generate(model_off, prompt, GENERATED_TOKENS))
+    block_on(), block_off()
+    on, off = interleave(lambda: timed(block_on), lambda: timed(block_off), args.rounds * 2)
+    out["generate"] = compare(on, off)
+    del model_on, model_off
+
+    log("plain disable/enable cycles (reentrant kwargs) in process")
+    reentrant_kwargs = {"use_reentrant": True}
+    n = args.cycles_per_block
+    model_on, _ = training_model(config, True)
+    with shim.disabled():
+        model_off, _ = training_model(config, True)
+    block_on = lambda: [plain_cycle(model_on, reentrant_kwargs) for _ in range(n)]
+    block_off = lambda: inert(lambda: [plain_cycle(model_off, reentrant_kwargs) for _ in range(n)])
+    block_on(), block_off()
+    on, off = interleave(lambda: timed(block_on, n), lambda: timed(block_off, n), args.rounds * 2)
+    out["cycle_plain"] = compare(on, off)
+    del model_on, model_off
 
     log("disable/enable cycles in process")
     accelerator = accelerate.Accelerator(cpu=True)
@@ -77,6 +117,8 @@ def report(args, in_process: dict) -> list[str]:
         "load": (f"from_pretrained ({tensors(args)})", "load"),
         "step_reentrant": ("training step, reentrant", "step"),
         "step_non_reentrant": ("training step, non-reentrant", "step"),
+        "generate": (f"generate(), {GENERATED_TOKENS} greedy tokens, {layers} layers", "generate"),
+        "cycle_plain": (f"disable/enable(kwargs) cycle, reentrant, {layers} layers", "cycle"),
         "cycle_unwrap": (f"trl unwrap_model_for_generation cycle, {layers} layers", "cycle"),
         "cycle_disable_gc": (f"trl disable_gradient_checkpointing cycle, {layers} layers", "cycle"),
         "cycle_unwrap_deep": (f"trl unwrap_model_for_generation cycle, {deep} layers", "cycle"),

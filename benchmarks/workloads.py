@@ -1,6 +1,6 @@
 """What the overhead benchmark runs, shim on and off: ``from_pretrained`` of a saved tiny Llama, a
-checkpointed training step with AdamW, and trl's disable/enable cycles around generation and around
-a reference-model forward. Every model comes from ``shim.tinymodels``.
+checkpointed training step with AdamW, greedy ``generate()``, plain disable/enable cycles, and trl's
+cycles around generation and around a reference-model forward. Every model comes from ``shim.tinymodels``.
 
 torch, transformers, trl and the shim are imported inside the functions: a fresh interpreter
 imports this module before its ``import shim``.
@@ -92,6 +92,17 @@ def trl_reference_cycle(model, kwargs) -> None:
 
     with trl.models.utils.disable_gradient_checkpointing(model, kwargs):
         pass
+
+
+def plain_cycle(model, kwargs) -> None:
+    """A disable and an enable with a configuration, as user code and trainers call them."""
+    model.gradient_checkpointing_disable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def generate(model, input_ids, tokens: int):
+    """Greedy generation of ``tokens`` new tokens (every token runs every decoder layer)."""
+    return model.generate(input_ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
 
 
 def inert(function):

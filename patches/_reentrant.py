@@ -69,6 +69,19 @@ def wants_grad(value) -> bool:
     return False
 
 
+def _any_grad(values) -> bool:
+    """Whether any of ``values`` holds a tensor that requires grad (one frame for the usual case of
+    plain tensors and flags; containers go through :func:`wants_grad`)."""
+    tensor = _torch.Tensor
+    for value in values:
+        if isinstance(value, tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (tuple, list, dict)) and wants_grad(value):
+            return True
+    return False
+
+
 class ReentrantCheckpoint(_partial):
     """A layer's reentrant checkpoint function, as upstream's partial, with the two fixes per call.
 
@@ -76,19 +89,22 @@ class ReentrantCheckpoint(_partial):
     """
 
     def __call__(self, function, *args, **options):
-        keywords_on, frozen_on = _switches or _bind()
+        switches = _switches or _bind()
+        keywords_on, frozen_on = switches[0].on, switches[1].on  # attributes: no frame per call
         if (keywords_on or frozen_on) and type(function) is _partial and _torch.is_grad_enabled():
             keywords = function.keywords
-            if keywords_on and keywords and any(wants_grad(value) for value in keywords.values()):
+            if keywords_on and keywords and _any_grad(keywords.values()):
                 layer = layer_of(function)
                 if layer is not None:
                     return lift(self, layer, function, args, options)
-            elif frozen_on and not any(wants_grad(value) for value in args):
+            elif frozen_on and not _any_grad(args):
                 layer = layer_of(function)
                 trainable = first_trainable(layer) if layer is not None else None
-                if trainable is not None and not any(wants_grad(value) for value in keywords.values()):
+                if trainable is not None and not _any_grad(keywords.values()):
                     return anchor(self, layer, trainable.device, function, args, options)
-        return self.run(function, *args, **options)
+        if options:
+            return self.func(*self.args, function, *args, **{**self.keywords, **options})
+        return self.func(*self.args, function, *args, **self.keywords)
 
     def run(self, *args, **options):
         """The original function: ``func(*partial args, *args, **partial keywords, **options)``."""
