@@ -43,11 +43,7 @@ from harness import timed_step  # noqa: E402  (benchmarks/, first on sys.path fo
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
-from shim.tinymodels import (  # noqa: E402
-    quiet_transformers,  # noqa: E402
-    tiny_qwen2_vl,
-    vision_tower,
-)
+from shim.tinymodels import quiet_transformers, tiny_qwen2_vl, vision_tower  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")

@@ -44,13 +44,8 @@ import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on th
 from harness import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
-from shim.tinymodels import (  # noqa: E402
-    enable_checkpointing,
-    keyword_driven_grads,
-    quiet_transformers,
-    tiny_llama,
-    wrong_grads,
-)
+from shim.tinymodels import quiet_transformers, tiny_llama  # noqa: E402
+from shim.tinysteps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
 MODES = ("none", "reentrant+shim", "non-reentrant", "reentrant-pos")

@@ -52,7 +52,7 @@ def training_model(config: dict, reentrant: bool, seed: int = 0):
     """A tiny Llama with checkpointing on, in train mode, with AdamW, and one batch."""
     import torch
 
-    from shim.tinymodels import enable_checkpointing
+    from shim.tinysteps import enable_checkpointing
 
     torch.manual_seed(seed)
     model = llama(config)

@@ -81,6 +81,13 @@ INDEX = (
         "modules": ("transformers.modeling_utils",),
     },
     {
+        "name": "replaced-forward-keeps-checkpointing",
+        "module": "replaced_forward_keeps_checkpointing",
+        "distribution": "transformers",
+        "requires": ">=5.23",
+        "modules": ("transformers.modeling_utils",),
+    },
+    {
         "name": "trl-restore-on-error",
         "module": "trl_restore_on_error",
         "distribution": "trl",

@@ -34,7 +34,8 @@ NAME = _reentrant.FROZEN
 
 def _self_check() -> bool:
     """True when a reentrant Llama with frozen inputs to its layers gets wrong parameter gradients."""
-    from shim.tinymodels import frozen_input_llama, reentrant_changes_grads, trainable_grads
+    from shim.tinymodels import frozen_input_llama
+    from shim.tinysteps import reentrant_changes_grads, trainable_grads
 
     model, loss_of = frozen_input_llama()
     return reentrant_changes_grads(model, lambda m: trainable_grads(m, loss_of))

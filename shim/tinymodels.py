@@ -1,16 +1,15 @@
-"""Tiny models built in code, and the steps taken on them: one module for the self-checks of
-``python -m shim doctor``, the tests and the benchmarks. Nothing is downloaded.
+"""Tiny models built in code: one module of builders for the self-checks of ``python -m shim doctor``,
+the tests and the benchmarks (the steps taken on them are in ``shim.tinysteps``). Nothing is
+downloaded.
 
 torch, transformers and peft are imported inside the functions: importing this module costs nothing.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
-
-Grads = dict[str, Any]  # parameter name -> gradient (None where autograd left none)
 
 
 def quiet_transformers() -> None:
@@ -80,6 +79,40 @@ def frozen_input_llama(layers: int = 3) -> tuple[Any, Callable[[Any], Any]]:
     return model, loss_of
 
 
+@contextlib.contextmanager
+def replaced_forward_llama(layers: int = 3, how: str = "function") -> Iterator[Any]:
+    """A Llama whose decoder-layer class had its ``forward`` replaced after import (``how``: a plain
+    ``"function"``, a ``functools.wraps`` wrapper ``"wraps"``, or a ``"wrapt"`` wrapper), the
+    replacement calling the original; checkpointing enabled (non-reentrant). The class is put back
+    on exit."""
+    import functools
+
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    cls = modeling_llama.LlamaDecoderLayer
+    saved = vars(cls)["forward"]
+    original = cls.forward
+    if how == "wrapt":
+        import wrapt
+
+        wrapt.wrap_function_wrapper(cls, "forward", lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+    elif how == "wraps":
+        cls.forward = functools.wraps(original)(lambda self, *args, **kwargs: original(self, *args, **kwargs))
+    else:
+        cls.forward = lambda self, *args, **kwargs: original(self, *args, **kwargs)
+    try:
+        torch.manual_seed(0)
+        model = tiny_llama(layers)
+        model.train()
+        from .tinysteps import enable_checkpointing
+
+        enable_checkpointing(model, {"use_reentrant": False})
+        yield model
+    finally:
+        cls.forward = saved
+
+
 def tiny_qwen2_vl(depth: int = 2, width: int = 32, image: int = 8) -> tuple[Any, dict[str, Any]]:
     """A tiny Qwen2-VL in training mode (2 text layers; a vision tower of ``depth`` blocks of
     ``width``) and the forward's keyword arguments for one ``image`` x ``image`` image."""
@@ -125,77 +158,3 @@ def lora_config(**overrides: Any) -> Any:
     values: dict[str, Any] = dict(target_modules=["q_proj", "v_proj"], r=2, lora_alpha=4)
     values.update(overrides)
     return LoraConfig(**values)
-
-
-# -- steps ------------------------------------------------------------------------------------------
-
-
-def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any] | None, **options: Any) -> None:
-    """Turn checkpointing on through the model's public API (``activation_*`` where it exists, 5.23+);
-    ``None`` kwargs get transformers' default."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
-
-
-def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
-    """One backward through a ``LlamaForCausalLM`` whose decoder layers are called with
-    ``hidden_states=`` as a keyword, as draft models and custom stacks do: every parameter's gradient."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    inner = model.model
-    hidden = inner.embed_tokens(input_ids)
-    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
-    position_embeddings = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
-        hidden = out[0] if isinstance(out, tuple) else out
-    logits = model.lm_head(inner.norm(hidden))
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
-    loss.backward()
-    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def trainable_grads(model: Any, loss_of: Callable[[Any], Any], seed: int = 1) -> Grads:
-    """One backward of ``loss_of(model)``: the trainable parameters' gradients."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss_of(model).backward()
-    return {
-        name: None if p.grad is None else p.grad.detach().clone()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-def wrong_grads(reference: Grads, grads: Grads, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
-    """Names whose gradient is ``None`` or differs from ``reference``."""
-    import torch
-
-    wrong = []
-    for name, expected in reference.items():
-        got = grads[name]
-        if got is None or expected is None:
-            if got is not expected:
-                wrong.append(name)
-        elif not torch.allclose(got, expected, rtol=rtol, atol=atol):
-            wrong.append(name)
-    return wrong
-
-
-def reentrant_changes_grads(model: Any, grads_of: Callable[[Any], Grads]) -> bool:
-    """Whether ``grads_of(model)`` differs once ``model`` checkpoints reentrantly (the self-check of
-    the reentrant patches)."""
-    reference = grads_of(model)
-    with warnings.catch_warnings():
-        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
-        enable_checkpointing(model, {"use_reentrant": True})
-        checkpointed = grads_of(model)
-    return bool(wrong_grads(reference, checkpointed))

@@ -12,7 +12,8 @@ import transformers
 import shim
 from shim import effects
 from shim.patches._checkpointing import disable, enable
-from shim.tinymodels import enable_checkpointing, frozen_llama_class, keyword_driven_grads, tiny_llama_config
+from shim.tinymodels import frozen_llama_class, tiny_llama_config
+from shim.tinysteps import enable_checkpointing, keyword_driven_grads
 from tests.checkpointing_cases import TRANSFORMERS, configure, quietly, tiny_llama
 from tests.conftest import run_python
 

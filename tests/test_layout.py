@@ -7,8 +7,8 @@ from tests.conftest import ROOT
 
 ENGINE = ROOT / "shim"
 #: What a patch module may import of the engine: the package's API (Patch, Target, record_effect,
-#: switch_of) and the shared tiny-model builders.
-PUBLIC = {"shim", "shim.tinymodels"}
+#: switch_of) and the shared tiny models and the steps taken on them.
+PUBLIC = {"shim", "shim.tinymodels", "shim.tinysteps"}
 
 
 def imports(path) -> set[str]:

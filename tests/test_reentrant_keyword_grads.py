@@ -21,13 +21,8 @@ import shim
 from shim.patches import _reentrant
 from shim.patches._checkpointing import is_reentrant, same_function
 from shim.patches._reentrant import ReentrantCheckpoint
-from shim.tinymodels import (
-    enable_checkpointing,
-    keyword_driven_grads,
-    quiet_transformers,
-    tiny_llama_config,
-    wrong_grads,
-)
+from shim.tinymodels import quiet_transformers, tiny_llama_config
+from shim.tinysteps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
 
 NAME = "reentrant-keyword-grads"

@@ -1,0 +1,111 @@
+"""Steps taken on the tiny models of ``shim.tinymodels``: enabling checkpointing, one backward and
+its gradients, comparing them, counting checkpointed layer calls. Shared by the self-checks of
+``python -m shim doctor``, the tests and the benchmarks.
+
+torch and transformers are imported inside the functions: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+Grads = dict[str, Any]  # parameter name -> gradient (None where autograd left none)
+
+
+def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any] | None, **options: Any) -> None:
+    """Turn checkpointing on through the model's public API (``activation_*`` where it exists, 5.23+);
+    ``None`` kwargs get transformers' default."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
+
+
+def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
+    """One backward through a ``LlamaForCausalLM`` whose decoder layers are called with
+    ``hidden_states=`` as a keyword, as draft models and custom stacks do: every parameter's gradient."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids)
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers:
+        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
+        hidden = out[0] if isinstance(out, tuple) else out
+    logits = model.lm_head(inner.norm(hidden))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+    loss.backward()
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def trainable_grads(model: Any, loss_of: Callable[[Any], Any], seed: int = 1) -> Grads:
+    """One backward of ``loss_of(model)``: the trainable parameters' gradients."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss_of(model).backward()
+    return {
+        name: None if p.grad is None else p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def wrong_grads(reference: Grads, grads: Grads, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    """Names whose gradient is ``None`` or differs from ``reference``."""
+    import torch
+
+    wrong = []
+    for name, expected in reference.items():
+        got = grads[name]
+        if got is None or expected is None:
+            if got is not expected:
+                wrong.append(name)
+        elif not torch.allclose(got, expected, rtol=rtol, atol=atol):
+            wrong.append(name)
+    return wrong
+
+
+def reentrant_changes_grads(model: Any, grads_of: Callable[[Any], Grads]) -> bool:
+    """Whether ``grads_of(model)`` differs once ``model`` checkpoints reentrantly (the self-check of
+    the reentrant patches)."""
+    reference = grads_of(model)
+    with warnings.catch_warnings():
+        # torch's "None of the inputs have requires_grad=True" is the bug speaking; keep the report clean
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_* names from 5.23
+        enable_checkpointing(model, {"use_reentrant": True})
+        checkpointed = grads_of(model)
+    return bool(wrong_grads(reference, checkpointed))
+
+
+def checkpointed_layer_calls(model: Any, step: Callable[[], object]) -> int:
+    """How many times ``step()`` calls a layer's checkpoint function (counted around what each
+    checkpointing layer holds, put back afterwards)."""
+    calls = []
+    held = {}
+
+    def counting(function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(function)
+            return function(*args, **kwargs)
+
+        return call
+
+    for module in model.modules():
+        function = module.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            held[module] = function
+            module._gradient_checkpointing_func = counting(function)
+    try:
+        step()
+    finally:
+        for module, function in held.items():
+            module._gradient_checkpointing_func = function
+    return len(calls)
