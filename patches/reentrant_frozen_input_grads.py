@@ -6,7 +6,7 @@ Symptom (silent): with ``use_reentrant=True``, a checkpointed layer whose inputs
 trainable parameters no gradient, nor does any checkpointed layer after it: the reentrant
 checkpoint's output joins the graph only through inputs that require grad.
 
-Fix: the same checkpoint function as ``reentrant-keyword-grads`` (``_reentrant.py``; the two never
+Fix: the same checkpoint function as ``reentrant-keyword-grads`` (``_checkpoint_function.py``; the two never
 act on one call). A reentrant call in grad mode with no grad-requiring input, on a layer with a
 trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires grad (an
 anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from shim import Patch, Target
 
-from . import _reentrant
+from . import _checkpoint_function
 from .reentrant_keyword_grads import _probe
 
-NAME = _reentrant.FROZEN
+NAME = _checkpoint_function.FROZEN
 
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
@@ -49,7 +49,7 @@ PATCH = Patch(
     targets=(
         Target(
             "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _reentrant.install,
+            _checkpoint_function.install,
             probe=_probe,
         ),
     ),

@@ -7,7 +7,7 @@ of ``torch.utils.checkpoint``; keywords ride hidden in a ``partial``. The only t
 ``UserWarning: None of the inputs have requires_grad=True``.
 
 Fix: where checkpointing is enabled (``_set_gradient_checkpointing``), a reentrant checkpoint
-function is handed to the layers as ``_reentrant.ReentrantCheckpoint``, upstream's partial with one
+function is handed to the layers as ``_checkpoint_function.LayerCheckpoint``, upstream's partial with one
 more step per call: grad-requiring tensors in the keywords (also nested in tuples, lists, dicts)
 become extra checkpoint inputs, put back into their keyword places on every run of the layer. Layer
 calls that do not checkpoint, and non-reentrant checkpointing, run no shim code at all.
@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from shim import Patch, Target
 
-from . import _reentrant
+from . import _checkpoint_function
 from ._arguments import leading_parameters
 
-NAME = _reentrant.KEYWORDS
+NAME = _checkpoint_function.KEYWORDS
 
 
 def _probe(original) -> str | None:
-    return leading_parameters(original, ("self", "enable", "gradient_checkpointing_func")) or _reentrant.probe()
+    return (
+        leading_parameters(original, ("self", "enable", "gradient_checkpointing_func")) or _checkpoint_function.probe()
+    )
 
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
@@ -58,7 +60,7 @@ PATCH = Patch(
     targets=(
         Target(
             "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _reentrant.install,
+            _checkpoint_function.install,
             probe=_probe,
         ),
     ),

@@ -109,3 +109,25 @@ def checkpointed_layer_calls(model: Any, step: Callable[[], object]) -> int:
         for module, function in held.items():
             module._gradient_checkpointing_func = function
     return len(calls)
+
+
+def layer_finding_checkpoint(checkpoint: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """A checkpoint function of the kind training frameworks bring (LlamaFactory's): it finds the
+    layer through the partial it is handed (``func.func.__self__``, or ``func.__self__``) and
+    checkpoints only layers with a trainable parameter, running the others as they are.
+    ``checkpoint`` defaults to torch's, reentrant."""
+    import functools
+
+    import torch.utils.checkpoint
+
+    inner = checkpoint or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+
+    def checkpoint_trainable_layers(func: Any, *args: Any, **kwargs: Any) -> Any:
+        # raises AttributeError where the partial holds no bound method, as the original does
+        owner: Any = func.func if isinstance(func, functools.partial) else func
+        layer = owner.__self__
+        if any(parameter.requires_grad for parameter in layer.parameters()):
+            return inner(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    return checkpoint_trainable_layers

@@ -18,9 +18,9 @@ from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
 import shim
-from shim.patches import _reentrant
+from shim.patches import _checkpoint_function, _reentrant_fixes
+from shim.patches._checkpoint_function import LayerCheckpoint
 from shim.patches._checkpointing import is_reentrant, same_function
-from shim.patches._reentrant import ReentrantCheckpoint
 from shim.tinymodels import quiet_transformers, tiny_llama_config
 from shim.tinysteps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
@@ -51,7 +51,7 @@ def _applied_and_quiet():
 def diversions(monkeypatch):
     """The layers whose calls the patch diverted (its lifting path), counted at the lifting step."""
     calls = []
-    original = _reentrant.lift
+    original = _checkpoint_function.lift
 
     def counting(checkpoint, layer, *args):
         try:
@@ -63,7 +63,7 @@ def diversions(monkeypatch):
             calls.append(layer)
         return result
 
-    monkeypatch.setattr(_reentrant, "lift", counting)
+    monkeypatch.setattr(_checkpoint_function, "lift", counting)
     return calls
 
 
@@ -87,7 +87,7 @@ def input_ids(model, batch=2, length=8):
 
 def test_patch_is_applied():
     assert shim.registry.is_on(NAME)
-    assert _reentrant.probe() is None
+    assert _checkpoint_function.probe() is None
 
 
 # -- the measured case -------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_every_checkpoint_function(how, reentrant, monkeypatch, diversions):
         enable_checkpointing(model, how)
     function = model.model.layers[0]._gradient_checkpointing_func
     assert is_reentrant(function) is reentrant
-    assert isinstance(function, ReentrantCheckpoint) is reentrant, "only a reentrant function is handed on as ours"
+    assert isinstance(function, LayerCheckpoint) is reentrant, "only a reentrant function is handed on as ours"
 
     with shim.disabled(*UPSTREAM):
         upstream = keyword_driven_grads(model, ids)
@@ -314,22 +314,22 @@ def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
     # A tensor nested in a positional tuple loses its gradient with or without keywords; that is
     # torch's documented limit, not this bug, and the patch passes positional arguments as they are.
     args, _, _ = build(spec)
-    assume(not (reentrant and any(not isinstance(a, torch.Tensor) and _reentrant.wants_grad(a) for a in args)))
+    assume(not (reentrant and any(not isinstance(a, torch.Tensor) and _reentrant_fixes.wants_grad(a) for a in args)))
     expected_output, expected = run(spec, None)
 
     calls = []
-    original = _reentrant.lift
+    original = _checkpoint_function.lift
 
     def counting(*arguments):
         result = original(*arguments)
         calls.extend([1] if result is not None else [])
         return result
 
-    _reentrant.lift = counting
+    _checkpoint_function.lift = counting
     try:
         output, grads = run(spec, reentrant)
     finally:
-        _reentrant.lift = original
+        _checkpoint_function.lift = original
     if reentrant and spec in (MEASURED, NESTED_ONLY):
         assert upstream_is_wrong(spec, reentrant, expected), "bug: upstream drops the keyword tensor's gradient"
 
@@ -340,7 +340,7 @@ def test_any_mix_of_inputs_matches_no_checkpointing(spec, reentrant):
         else:
             torch.testing.assert_close(grads[name], want, msg=name)
     _, kwargs, _ = build(spec)
-    keyword_grads = any(_reentrant.wants_grad(value) for value in kwargs.values())
+    keyword_grads = any(_reentrant_fixes.wants_grad(value) for value in kwargs.values())
     assert len(calls) == (1 if reentrant and keyword_grads else 0)
 
 
@@ -378,13 +378,13 @@ def test_the_function_a_layer_holds_reads_compares_pickles_and_copies_as_upstrea
     layer = Mixer()
     enable_on(layer, upstream)
     ours = layer._gradient_checkpointing_func
-    assert isinstance(ours, ReentrantCheckpoint) and isinstance(ours, functools.partial)
+    assert isinstance(ours, LayerCheckpoint) and isinstance(ours, functools.partial)
     assert (ours.func, ours.args, ours.keywords) == (upstream.func, upstream.args, upstream.keywords)
     assert same_function(ours, upstream) and is_reentrant(ours)
     unpickled = pickle.loads(pickle.dumps(ours))  # a model saved with the shim loads without it
     assert type(unpickled) is functools.partial and same_function(unpickled, upstream)
-    assert type(copy.copy(ours)) is type(copy.deepcopy(ours)) is ReentrantCheckpoint
-    assert type(copy.deepcopy(layer)._gradient_checkpointing_func) is ReentrantCheckpoint
+    assert type(copy.copy(ours)) is type(copy.deepcopy(ours)) is LayerCheckpoint
+    assert type(copy.deepcopy(layer)._gradient_checkpointing_func) is LayerCheckpoint
     # handed out once: a second enable with it keeps it, a non-reentrant one is upstream's own
     enable_on(layer, ours)
     assert layer._gradient_checkpointing_func is ours
@@ -496,7 +496,7 @@ def test_probe_detects_a_changed_call_shape(monkeypatch):
             return super().__call__(*args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_layers, "GradientCheckpointingLayer", Changed)
-    assert "functools.partial" in _reentrant.probe()
+    assert "functools.partial" in _checkpoint_function.probe()
 
 
 def test_no_class_level_layer_and_deactivate_restores_the_enable_path():

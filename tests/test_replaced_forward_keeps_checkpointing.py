@@ -1,0 +1,128 @@
+"""replaced-forward-keeps-checkpointing: a layer class whose ``forward`` was replaced after import still
+checkpoints (transformers >= 5.23 checkpoints inside a wrapper it put on ``forward``).
+
+Each bug test counts the checkpointed layer calls with the patch off (none: the bug) and on (every
+layer), and checks that the replacement still runs and the gradients are those of a run without
+checkpointing."""
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+import wrapt
+from packaging.version import Version
+from transformers.models.llama import modeling_llama
+
+import shim
+from shim import effects
+from shim.tinymodels import replaced_forward_llama, tiny_llama
+from shim.tinysteps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
+
+NAME = "replaced-forward-keeps-checkpointing"
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.23"),
+    reason="version rule: transformers checkpoints inside a forward wrapper from 5.23 (up to 5.22 in __call__)",
+)
+
+
+def ids_for(model):
+    return torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def loss_of(model):
+    ids = ids_for(model)
+    return model(ids, labels=ids).loss
+
+
+@pytest.fixture
+def restored_layer_class():
+    """``LlamaDecoderLayer.forward`` as it was, put back after the test."""
+    saved = vars(modeling_llama.LlamaDecoderLayer)["forward"]
+    yield modeling_llama.LlamaDecoderLayer
+    modeling_llama.LlamaDecoderLayer.forward = saved
+
+
+@pytest.mark.parametrize("how", ["function", "wraps", "wrapt"])
+def test_a_replaced_forward_checkpoints_again_and_still_runs(how):
+    assert shim.registry.is_on(NAME)
+    with shim.disabled(NAME), replaced_forward_llama(how=how) as model:
+        assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 0, "bug: checkpointing is off"
+    before = effects.count(NAME)
+    with replaced_forward_llama(how=how) as model:
+        reference = trainable_grads(model, loss_of)  # the same step, checkpointed: no-op for grads
+        assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 3
+        checkpointed = trainable_grads(model, loss_of)
+        model.gradient_checkpointing_disable()
+        uncheckpointed = trainable_grads(model, loss_of)
+    assert wrong_grads(uncheckpointed, checkpointed) == [] and wrong_grads(reference, checkpointed) == []
+    assert effects.count(NAME) == before + 1, "one class wrapped again, once"
+    assert "LlamaDecoderLayer.forward was replaced" in effects.last(NAME)
+
+
+@pytest.mark.parametrize("when", ["before the model is built", "after the model is built"])
+def test_the_replacement_runs_inside_the_checkpoint(restored_layer_class, when):
+    original, calls = restored_layer_class.forward, []
+
+    def replacement(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return original(self, *args, **kwargs)
+
+    def step(off):
+        restored_layer_class.forward = original
+        calls.clear()
+        if when.startswith("before"):
+            restored_layer_class.forward = replacement
+        model = tiny_llama(3)
+        model.train()
+        if when.startswith("after"):
+            restored_layer_class.forward = replacement
+        with shim.disabled(NAME) if off else contextlib.nullcontext():
+            enable_checkpointing(model, {"use_reentrant": True})
+        ids = ids_for(model)
+        model(ids, labels=ids).loss.backward()
+        return list(calls)
+
+    assert step(off=True) == [True] * 3, "bug: the replacement runs once, with grad, unchecked"
+    # reentrant: each layer runs without grad in forward, then again with grad in the recomputation
+    assert step(off=False) == [False] * 3 + [True] * 3
+
+
+def test_a_subclass_with_its_own_forward_is_left_alone():
+    class OwnForward(modeling_llama.LlamaDecoderLayer):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    wrapper = vars(OwnForward)["forward"]  # transformers wrapped it when the class was made
+    model = tiny_llama(2)
+    for layer in model.model.layers:
+        layer.__class__ = OwnForward
+    before = effects.count(NAME)
+    enable_checkpointing(model, {"use_reentrant": False})
+    model.train()
+    assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 2
+    assert vars(OwnForward)["forward"] is wrapper and effects.count(NAME) == before
+
+
+def test_a_forward_replaced_after_the_enable_checkpoints_again_at_the_next_enable(restored_layer_class):
+    model = tiny_llama(3)
+    model.train()
+    enable_checkpointing(model, {"use_reentrant": False})
+    assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 3
+    original = restored_layer_class.forward
+    wrapt.wrap_function_wrapper(
+        restored_layer_class, "forward", lambda wrapped, instance, args, kw: wrapped(*args, **kw)
+    )
+    assert original is not restored_layer_class.forward
+    assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 0, "documented limit"
+    enable_checkpointing(model, {"use_reentrant": False})
+    assert checkpointed_layer_calls(model, lambda: loss_of(model).backward()) == 3
+
+
+def test_a_stock_model_is_left_alone():
+    forward = vars(modeling_llama.LlamaDecoderLayer)["forward"]
+    before = effects.count(NAME)
+    for _ in range(2):
+        model = tiny_llama(2)
+        enable_checkpointing(model, None)
+    assert vars(modeling_llama.LlamaDecoderLayer)["forward"] is forward and effects.count(NAME) == before
