@@ -35,10 +35,12 @@ examples:
 
 def environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the sitecustomize directory first on
-    ``PYTHONPATH``, once, the rest of ``PYTHONPATH`` kept in its order."""
+    ``PYTHONPATH``, once, and every other entry kept in its order: an empty entry too, which Python
+    reads as the current directory (``PYTHONPATH=:``, ``/x::``)."""
     env = dict(os.environ if base is None else base)
-    rest = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    rest = [entry for entry in rest if os.path.abspath(entry) != SITECUSTOMIZE_DIR]
+    raw = env.get("PYTHONPATH", "")
+    rest = raw.split(os.pathsep) if raw else []  # an empty PYTHONPATH has no entries, not one empty one
+    rest = [entry for entry in rest if not entry or os.path.abspath(entry) != SITECUSTOMIZE_DIR]
     env["PYTHONPATH"] = os.pathsep.join([SITECUSTOMIZE_DIR, *rest])
     return env
 

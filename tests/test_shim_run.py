@@ -128,6 +128,28 @@ def test_pythonpath_gets_the_directory_once_first_and_keeps_the_rest():
     assert environment(environment({"PYTHONPATH": "/a"})) == environment({"PYTHONPATH": "/a"})  # nested shim-run
 
 
+def test_empty_pythonpath_entries_are_kept_in_their_place():
+    """An empty entry is the current directory to Python; an empty PYTHONPATH has no entry at all."""
+    for value in (":", "/x::", ":/x", "/x::/y"):
+        assert environment({"PYTHONPATH": value})["PYTHONPATH"] == SITECUSTOMIZE_DIR + os.pathsep + value
+    assert environment({"PYTHONPATH": ""})["PYTHONPATH"] == SITECUSTOMIZE_DIR
+    assert environment(environment({"PYTHONPATH": ":"})) == environment({"PYTHONPATH": ":"})
+
+
+@pytest.mark.parametrize("pythonpath", [":", "/x::"])
+def test_a_module_in_the_current_directory_imports_as_without_shim_run(tmp_path, pythonpath):
+    (tmp_path / "localmod.py").write_text("VALUE = 'local'\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("import localmod\nprint(localmod.VALUE)\n")
+    env = clean_env(PYTHONPATH=pythonpath)
+    plain = subprocess.run(
+        [sys.executable, "scripts/train.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    under = launch("shim-run", [sys.executable, "scripts/train.py"], env=env, cwd=tmp_path)
+    assert plain.stdout == "local\n", plain.stderr
+    assert (under.returncode, under.stdout) == (0, "local\n"), under.stderr
+
+
 SCRIPT_WITH_IMPORT_SHIM = """
 import json
 import shim
