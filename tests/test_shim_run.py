@@ -121,6 +121,39 @@ def test_the_users_sitecustomize_still_runs_after_the_shim(tmp_path):
     assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
 
 
+USER_SITECUSTOMIZE = """
+import os, sys
+sys.user_sitecustomize_runs = getattr(sys, "user_sitecustomize_runs", 0) + 1
+print(f"user sitecustomize: run {sys.user_sitecustomize_runs} in pid {os.getpid()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nesting", ["another install around this one", "this one twice"])
+def test_nested_and_duplicate_installs_run_the_users_sitecustomize_once_per_interpreter(tmp_path, nesting):
+    user = tmp_path / "user-site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
+    other = tmp_path / "global" / "_sitecustomize"  # a second hf-train-shim install's start-up directory
+    other.mkdir(parents=True)
+    (other / "sitecustomize.py").write_text(Path(SITECUSTOMIZE_DIR, "sitecustomize.py").read_text())
+    pythonpath = {
+        "another install around this one": [str(other), str(user)],
+        "this one twice": [str(user), SITECUSTOMIZE_DIR],
+    }[nesting]
+    command = [sys.executable, "-c", f"TAG = 'command'\n{REPORT}"]
+    if nesting == "this one twice":
+        command = [str(SHIM_RUN), *command]
+    env = clean_env(PYTHONPATH=os.pathsep.join(pythonpath))
+    done = launch("shim-run", command, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and "Error in sitecustomize" not in done.stderr, done.stderr
+    runs = [line for line in done.stdout.splitlines() if line.startswith("user sitecustomize")]
+    # Each interpreter of the pid runs it once: shim-run's own Python(s), then the command's.
+    interpreters = 3 if nesting == "this one twice" else 2
+    assert runs == [runs[0]] * interpreters and runs[0].startswith("user sitecustomize: run 1 in pid "), done.stdout
+    report = reports(done.stdout)[-1]
+    assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
+
+
 def test_pythonpath_gets_the_directory_once_first_and_keeps_the_rest():
     base = {"PYTHONPATH": os.pathsep.join(["/a", SITECUSTOMIZE_DIR, "/b"])}
     assert environment(base)["PYTHONPATH"] == os.pathsep.join([SITECUSTOMIZE_DIR, "/a", "/b"])

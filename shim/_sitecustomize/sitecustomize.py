@@ -11,6 +11,8 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+#: Every shim-run start-up file holds this text; the chain below never runs a file that holds it.
+MARKER = "hf-train-shim: the start-up file of shim-run"
 
 
 def _import_shim() -> None:
@@ -28,18 +30,37 @@ def _say(message: str) -> None:
     print(f"shim-run: {sys.executable}: {message}", file=sys.stderr, flush=True)
 
 
+def _is_a_shim_run_file(origin: str | None) -> bool:
+    """Whether ``origin`` is a shim-run start-up file: this one, or another install's."""
+    if not origin or not origin.endswith(".py"):
+        return False
+    try:
+        with open(origin, "rb") as file:
+            return MARKER.encode() in file.read()
+    except OSError:
+        return False
+
+
 def _run_the_next_sitecustomize() -> None:
-    """Run the ``sitecustomize`` that Python would have run without this directory, if there is one."""
+    """Run the ``sitecustomize`` that Python would have run without shim-run, if there is one.
+
+    That is the first one on ``sys.path`` that is no shim-run start-up file: another install's
+    directory on ``PYTHONPATH`` (a global ``shim-run`` around a virtual environment's) is passed
+    over like this one, so each interpreter runs the user's module exactly once.
+    """
     import importlib.machinery
     import importlib.util
 
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is None or spec.loader is None:
+    for entry in sys.path:
+        if os.path.abspath(entry or os.curdir) == _HERE:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+        if spec is None or spec.loader is None or _is_a_shim_run_file(spec.origin):
+            continue
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module  # ``import sitecustomize`` elsewhere finds the user's module
+        spec.loader.exec_module(module)
         return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sitecustomize"] = module  # ``import sitecustomize`` elsewhere finds the user's module
-    spec.loader.exec_module(module)
 
 
 _import_shim()
