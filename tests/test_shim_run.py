@@ -222,6 +222,22 @@ def test_a_script_that_imports_the_shim_itself_gets_no_second_layer(tmp_path):
     assert counts == json.loads(plain.stdout.splitlines()[-1])
 
 
+def test_a_python_without_the_shim_runs_and_says_so(tmp_path):
+    """A venv not activated: ``shim-run python train.py`` finds another environment's python first."""
+    import venv
+
+    venv.create(tmp_path / "other", with_pip=False)  # the base interpreter, none of this environment's packages
+    other = tmp_path / "other" / "bin"
+    code = "import sys; print('ran', 'shim' in sys.modules)"
+    by_path = launch("shim-run", [str(other / "python"), "-c", code], cwd=tmp_path)
+    on_path = launch("shim-run", ["python", "-c", code], env=clean_env(PATH=f"{other}{os.pathsep}{os.environ['PATH']}"))
+    for done in (by_path, on_path):
+        assert (done.returncode, done.stdout) == (0, "ran False\n"), done.stderr
+        assert f"shim-run: {other / 'python'}: hf-train-shim is not installed for this Python" in done.stderr
+        assert "shim-run .venv/bin/python train.py" in done.stderr
+    assert launch("shim-run", [sys.executable, "-c", code]).stderr == ""  # this environment's: quiet
+
+
 def test_shim_switches_pass_through():
     code = "import json, shim; print(json.dumps(sorted({s.state for s in shim.status()})))"
     done = launch("shim-run", [sys.executable, "-c", code], env=clean_env(SHIM_DISABLE="all"))

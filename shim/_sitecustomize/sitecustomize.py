@@ -21,7 +21,11 @@ def _import_shim() -> None:
     except ModuleNotFoundError as exc:
         if exc.name != "shim":
             _say(f"hf-train-shim could not be imported ({exc!r}); running without it")
-        # an interpreter that has no shim installed (another environment's python): left as it is
+        else:  # another environment's Python (a venv not activated): it runs, but the user should know
+            _say(
+                "hf-train-shim is not installed for this Python, which runs without it;\n"
+                "  name the Python that has it (shim-run .venv/bin/python train.py) or install it there"
+            )
     except Exception as exc:  # a broken install must not stop the user's program
         _say(f"hf-train-shim could not be imported ({exc!r}); running without it")
 
