@@ -257,3 +257,49 @@ def test_every_torchrun_rank_has_the_shim(tmp_path):
     written = "\n".join(path.read_text() for path in sorted(tmp_path.glob("report-*.json")))
     seen = {report["tag"]: report["shim"] for report in reports(written)}
     assert seen == {"rank 0": True, "rank 1": True}
+
+
+HELPERS = """
+import multiprocessing
+import shim
+
+def worker(changed):
+    if changed:
+        shim.record_effect("checkpoint-kwargs-clean", "an effect in a worker")
+    else:
+        import transformers.modeling_utils  # a target module, as a worker that unpickles a model imports it
+
+if __name__ == "__main__":
+    import transformers.modeling_utils
+    context = multiprocessing.get_context("spawn")  # starts the resource tracker too
+    for changed in (False, True):
+        process = context.Process(target=worker, args=(changed,))
+        process.start()
+        process.join()
+"""
+
+
+def report_headers(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "hf-train-shim report (pid " in line]
+
+
+def test_shim_report_one_report_per_training_process_helpers_only_when_they_changed_something(tmp_path):
+    """The resource tracker and a spawn worker that changed nothing stay quiet; a worker that did says so."""
+    (tmp_path / "train.py").write_text(HELPERS)
+    env = clean_env(SHIM_REPORT="1", RANK="1")
+    done = launch("shim-run", [sys.executable, "train.py"], env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    headers = report_headers(done.stderr)
+    assert len(headers) == 2, done.stderr
+    assert sum(": 0 of " in h and h.startswith("[rank 1] hf-train-shim report (pid ") for h in headers) == 1
+    assert sum(", multiprocessing worker): 1 of " in h for h in headers) == 1
+
+
+def test_shim_report_under_torchrun_one_report_per_rank_none_from_the_launcher(tmp_path):
+    (tmp_path / "train.py").write_text("import transformers.modeling_utils\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
+    env = clean_env(SHIM_REPORT="1", OMP_NUM_THREADS="1")
+    done = launch("shim-run", command, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    headers = sorted(h[: h.index("]") + 1] for h in report_headers(done.stderr))
+    assert headers == ["[rank 0]", "[rank 1]"], done.stderr
