@@ -35,6 +35,14 @@ commands:
   run       run [--] <command ...> with the shim imported first in every Python process it starts
             (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 
+STATES = """\
+states:
+  applied   in place: its wrappers act while it is switched on
+  pending   its target module is not imported yet: it applies right after that import
+  skipped   not needed or not safe here (outside its gate, library not installed, code changed)
+  disabled  switched off (SHIM_DISABLE, shim.disable(), inside shim.disabled())
+  failed    wrapping raised and was rolled back"""
+
 EXIT_CODES = """\
 exit codes:
   0  success (status always; doctor: nothing that applies here is left unfixed)
@@ -66,15 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="{status,doctor}")
+    commands = parser.add_subparsers(dest="command", metavar="{status,doctor,run}")
     status = commands.add_parser(
         "status",
         help="what each patch did (the default command)",
-        description="One row per patch: state, installed version, effects so far and the reason; "
-        "the patch's one-line summary (and its last effect) below it.",
-        epilog=f"states: applied, pending (target module not imported yet), skipped (not needed or not "
-        f"safe here), disabled (switched off), failed (wrapping raised and was rolled back)\n\n"
-        f"{ENVIRONMENT}\n\n{EXIT_CODES}",
+        description="One row per patch: state, installed version, effects so far and the reason; the\n"
+        "patch's one-line summary (and its last effect) below it.",
+        epilog=f"{STATES}\n\n{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
     _common(status)
@@ -91,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     _common(doctor)
+    commands.add_parser(  # parsed by shim.run: everything after it is the command's
+        "run",
+        help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
+        add_help=False,
+    )
     return parser
 
 
