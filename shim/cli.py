@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from .records import WIDTH  # the tables, the report and the help texts fit this many columns
+
 if TYPE_CHECKING:
     from .records import PatchStatus
 
-WIDTH = 100  # the tables fit this many columns unless --wide
+COMMANDS = ("status", "doctor", "run")
 
 ENVIRONMENT = """\
 environment variables (read when a patch applies, so set them before importing transformers):
@@ -74,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="{status,doctor,run}")
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     status = commands.add_parser(
         "status",
         help="what each patch did (the default command)",
@@ -106,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(parser=parser)  # its own usage for an argument it does not know
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     parser.add_argument("--wide", action="store_true", help=f"do not fit the table to {WIDTH} columns")
 
@@ -178,9 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
-    if not any(arg in ("status", "doctor", "-h", "--help") for arg in argv[:1]):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # shown with the usage of the command they were given to, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     import shim
 
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
