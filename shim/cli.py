@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .records import WIDTH  # the tables, the report and the help texts fit this many columns
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
+    parser.add_argument("--version", action="version", version=f"hf-train-shim {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     status = commands.add_parser(
         "status",
@@ -181,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
