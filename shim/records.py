@@ -115,7 +115,9 @@ def report(records: Sequence[PatchStatus]) -> str:
     width = max(WIDTH - len(prefix), 40)
     changed = [r for r in records if r.effects]
     who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
-    lines = [f"hf-train-shim report ({who}): {len(changed)} of {len(records)} patches changed something"]
+    lines = _wrap(
+        f"hf-train-shim report ({who}): {len(changed)} of {len(records)} patches changed something", width, "", "  "
+    )
     if changed:
         rows = table([[r.name, r.effects] for r in changed], ["patch", "effects"], right=(1,)).splitlines()
         lines += ["  " + line for line in rows[:2]]
