@@ -172,7 +172,10 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
-        print(f"\ndoctor: not fixed: {', '.join(failing)}", file=sys.stderr)
+        print(
+            "\n" + textwrap.fill(f"doctor: not fixed: {', '.join(failing)}", WIDTH, subsequent_indent="  "),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -183,6 +186,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
+    from .run import reader_gone
+
+    try:
+        try:
+            return _command(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader that went away shows in this try
+    except BrokenPipeError:  # python -m shim doctor --json | head: stop quietly, as Unix tools do
+        return reader_gone()
+
+
+def _command(argv: list[str]) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()

@@ -45,13 +45,26 @@ def environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def reader_gone() -> int:
+    """After ``BrokenPipeError`` on stdout (``python -m shim doctor --json | head``): point stdout at
+    the null device, so that the flush at exit cannot fail again, and return the status of a Unix
+    tool ended by ``SIGPIPE``, without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Replace this process with the command; returns only when the command cannot be started."""
     command = list(sys.argv[1:] if argv is None else argv)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command or command[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if command else sys.stderr)
+        try:
+            print(USAGE, file=sys.stdout if command else sys.stderr, flush=True)
+        except BrokenPipeError:  # shim-run --help | head
+            return reader_gone()
         return 0 if command else 2
     env = environment()
     sys.stdout.flush()
