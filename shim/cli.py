@@ -50,7 +50,8 @@ EXIT_CODES = """\
 exit codes:
   0  success (status always; doctor: nothing that applies here is left unfixed)
   1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-  2  the command line was not understood"""
+  2  the command line was not understood
+  141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
 
 DOCTOR_DESCRIPTION = """\
 Run every patch's self-check on a tiny model built in code (nothing is downloaded), once with the
