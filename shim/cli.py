@@ -48,9 +48,9 @@ states:
 
 EXIT_CODES = """\
 exit codes:
-  0  success (status always; doctor: nothing that applies here is left unfixed)
-  1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-  2  the command line was not understood
+    0  success (status always; doctor: nothing that applies here is left unfixed)
+    1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
+    2  the command line was not understood
   141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
 
 DOCTOR_DESCRIPTION = """\
