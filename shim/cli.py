@@ -171,6 +171,10 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             if finding.verdict in doctor.FAILING or finding.verdict == doctor.NOT_REPRODUCED:
                 detail = f"{finding.name}: {finding.verdict}: {finding.detail}"
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
+    for note in doctor.notes():  # on stderr with --json: stdout stays the records
+        print(
+            "\n" + textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  "), file=sys.stderr if args.json else None
+        )
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
         print(
