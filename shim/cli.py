@@ -18,7 +18,7 @@ from .records import WIDTH  # the tables, the report and the help texts fit this
 if TYPE_CHECKING:
     from .records import PatchStatus
 
-COMMANDS = ("status", "doctor", "run")
+COMMANDS = ("status", "doctor", "explain", "run")
 
 ENVIRONMENT = """\
 environment variables (read when a patch applies, so set them before importing transformers):
@@ -35,6 +35,7 @@ commands:
   status    (default) one row per patch: state, installed version, effects so far, the reason;
             the patch's one-line summary below it
   doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
+  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits
   run       run [--] <command ...> with the shim imported first in every Python process it starts
             (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 
@@ -102,6 +103,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     _common(doctor)
+    explain = commands.add_parser(
+        "explain",
+        help="the story of a patch's bug: symptom, versions measured, the fix, its limits",
+        description="Print the section of docs/bugs.md (shipped with the package) on a patch's bug: the "
+        "symptom,\nthe upstream mechanism, the versions measured, what the fix does, its limits and "
+        "the references.",
+        formatter_class=_formatter,
+    )
+    explain.add_argument("patch", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)")
+    explain.set_defaults(parser=explain)
     commands.add_parser(  # parsed by shim.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
@@ -136,6 +147,7 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
                 out += textwrap.wrap(
                     note, WIDTH, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False
                 )
+    out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(out)
 
 
@@ -213,4 +225,21 @@ def _command(argv: list[str]) -> int:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     import shim
 
+    if args.command == "explain":
+        return _explain(args, shim)
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
+
+
+def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
+    from . import bugdocs
+    from .settings import canonical
+
+    name = canonical(args.patch)
+    if name not in shim.registry.names:
+        args.parser.error(f"no patch named {args.patch!r}; the patches are {', '.join(shim.registry.names)}")
+    text = bugdocs.section(name)
+    if text is None:
+        print("python -m shim explain: docs/bugs.md is not installed with this copy of the shim", file=sys.stderr)
+        return 1
+    print(bugdocs.reflow(text, WIDTH))
+    return 0

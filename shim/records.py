@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import effects, gating, processes, versions
+from . import bugdocs, effects, gating, processes, versions
 from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, SUSPENDED_REASON
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class PatchStatus:
 
     ``effects`` counts the times the patch changed something in this process (calls it passed
     through do not count); ``last_effect`` describes the last one (``""`` while there is none).
+    ``references`` are GitHub addresses and ``python -m shim explain <name>``, which prints the
+    bug's story (``docs/bugs.md``, shipped with the package).
     """
 
     name: str
@@ -82,7 +84,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         requires=f"{declared.distribution}{declared.requires}",
         installed=installed,
         summary=patch.summary if patch else "",
-        references=patch.references if patch else (),
+        references=bugdocs.links(patch.references) if patch else (),
         effects=effects.count(declared.name),
         last_effect=effects.last(declared.name),
     )
