@@ -1,5 +1,6 @@
-"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``
-and ``python -m shim run [--] <command ...>`` (the ``shim-run`` console script)."""
+"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``,
+``python -m shim explain <patch>`` and ``python -m shim run [--] <command ...>`` (the ``shim-run``
+console script). The help texts are in ``shim.helptext``."""
 
 from __future__ import annotations
 
@@ -13,59 +14,13 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from . import __version__
+from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .records import WIDTH  # the tables, the report and the help texts fit this many columns
 
 if TYPE_CHECKING:
     from .records import PatchStatus
 
 COMMANDS = ("status", "doctor", "explain", "run")
-
-ENVIRONMENT = """\
-environment variables (read when a patch applies, so set them before importing transformers):
-  SHIM_DISABLE=all | name,name   apply nothing / opt these patches out ('_', '-' and case are equal)
-  SHIM_FORCE=name,name           apply these patches even outside their version gate
-  SHIM_STRICT=1                  a patch that should apply but cannot raises shim.PatchError
-  SHIM_LOG_LEVEL=INFO            show the shim's log lines (what applied, first effects) on stderr
-  SHIM_REPORT=1                  print the effects table to stderr when the process exits"""
-
-DESCRIPTION = """\
-hf-train-shim: what the shim did in this environment, and whether the bugs it fixes are there.
-
-commands:
-  status    (default) one row per patch: state, installed version, effects so far, the reason;
-            the patch's one-line summary below it
-  doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
-  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits
-  run       run [--] <command ...> with the shim imported first in every Python process it starts
-            (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
-
-STATES = """\
-states:
-  applied   in place: its wrappers act while it is switched on
-  pending   its target module is not imported yet: it applies right after that import
-  skipped   not needed or not safe here (outside its gate, library not installed, code changed)
-  disabled  switched off (SHIM_DISABLE, shim.disable(), inside shim.disabled())
-  failed    wrapping raised and was rolled back"""
-
-EXIT_CODES = """\
-exit codes:
-    0  success (status always; doctor: nothing that applies here is left unfixed)
-    1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-    2  the command line was not understood
-  141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
-
-DOCTOR_DESCRIPTION = """\
-Run every patch's self-check on a tiny model built in code (nothing is downloaded), once with the
-patch switched off (does the bug show on the installed versions?) and once on (is it gone?).
-
-verdicts:
-  fixed           the bug shows upstream and the patch removes it
-  NOT FIXED       the bug shows and the patch does not remove it (or cannot apply here)
-  not affected    the patch does not apply here and the bug does not show
-  not reproduced  the patch applies but its self-check does not show the bug here
-  opted out       switched off (SHIM_DISABLE); the self-check ran without it
-  not installed   the library the patch is for is not installed
-  check error     the self-check itself raised (the detail says what)"""
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -236,7 +191,11 @@ def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
 
     name = canonical(args.patch)
     if name not in shim.registry.names:
-        args.parser.error(f"no patch named {args.patch!r}; the patches are {', '.join(shim.registry.names)}")
+        import difflib
+
+        close = difflib.get_close_matches(name, shim.registry.names, n=2, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}?" if close else "python -m shim lists them"
+        args.parser.error(f"no patch named {args.patch!r}; {hint}")
     text = bugdocs.section(name)
     if text is None:
         print("python -m shim explain: docs/bugs.md is not installed with this copy of the shim", file=sys.stderr)
