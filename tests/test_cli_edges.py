@@ -30,6 +30,8 @@ COMMANDS = {
     "status --help": [*PYTHON_M_SHIM, "status", "--help"],
     "doctor --help": [*PYTHON_M_SHIM, "doctor", "--help"],
     "run --help": [*PYTHON_M_SHIM, "run", "--help"],
+    "explain --help": [*PYTHON_M_SHIM, "explain", "--help"],
+    "explain, an unknown patch": [*PYTHON_M_SHIM, "explain", "no-such-patch"],
     "run (no command)": [*PYTHON_M_SHIM, "run"],
     "--version": [*PYTHON_M_SHIM, "--version"],
     "status --bogus": [*PYTHON_M_SHIM, "status", "--bogus"],
@@ -118,11 +120,11 @@ def test_an_unknown_argument_is_shown_with_the_usage_of_its_command():
     assert "python -m shim doctor: error: unrecognized arguments: --bogus" in done.stderr
     done = run([*PYTHON_M_SHIM, "frobnicate"], capture_output=True)
     assert done.returncode == 2
-    assert "unknown command 'frobnicate'; the commands are status, doctor, run" in done.stderr
+    assert "unknown command 'frobnicate'; the commands are status, doctor, explain, run" in done.stderr
 
 
 def test_the_usage_names_every_command_and_version_prints_the_installed_one():
     usage = run([*PYTHON_M_SHIM, "--help"], capture_output=True).stdout.splitlines()[0]
-    assert usage == "usage: python -m shim [-h] [--version] {status,doctor,run} ..."
+    assert usage == "usage: python -m shim [-h] [--version] {status,doctor,explain,run} ..."
     done = run([*PYTHON_M_SHIM, "--version"], capture_output=True)
     assert (done.returncode, done.stdout) == (0, f"hf-train-shim {importlib.metadata.version('hf-train-shim')}\n")

@@ -48,7 +48,14 @@ def test_explain_takes_the_names_the_environment_takes():
     unknown = subprocess.run(
         [sys.executable, "-m", "shim", "explain", "no-such-patch"], capture_output=True, text=True, timeout=120
     )
-    assert unknown.returncode == 2 and "no patch named 'no-such-patch'; the patches are " in unknown.stderr
+    assert unknown.returncode == 2 and "no patch named 'no-such-patch'; python -m shim lists them" in unknown.stderr
+    typo = subprocess.run(
+        [sys.executable, "-m", "shim", "explain", "load-keep-requires-grad"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert typo.returncode == 2 and "did you mean load-keeps-requires-grad?" in typo.stderr
 
 
 def test_status_references_are_addresses_and_the_explain_command():
