@@ -4,8 +4,10 @@
 ``shim-run`` so is the shim), but a user wants one report per training process: the script, or each
 rank under a launcher. A *helper* prints its report only when a patch changed something in it:
 
-* a process started by ``multiprocessing``: spawn and forkserver workers (DataLoader workers among
-  them), the resource tracker, the fork server (a ``fork`` child ends without exit handlers);
+* a process started by ``multiprocessing`` (or ``multiprocess``): spawn and forkserver workers
+  (DataLoader workers among them), the resource tracker, the fork server (a ``fork`` child ends
+  without exit handlers). Ranks started by ``torch.multiprocessing.spawn`` count as workers too:
+  nothing tells them from a pool's worker, so they report only what changed;
 * a launcher: ``torchrun``, ``accelerate launch``, ``deepspeed`` (a process without ``RANK`` that
   imported a launcher module; the ranks it starts have ``RANK``);
 * a process that imported no module a patch targets (an inductor compile worker, a launcher of
@@ -53,11 +55,12 @@ def helper(target_specs: Iterable[str]) -> str | None:
     ``target_specs`` are the patches' targets (``"module:attribute"``): a process that imported none
     of their modules is a helper.
     """
-    multiprocessing = sys.modules.get("multiprocessing")
-    if multiprocessing is not None and multiprocessing.parent_process() is not None:
-        return "multiprocessing worker"
+    for name in ("multiprocessing", "multiprocess"):  # multiprocess: the dill-based fork datasets uses
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "parent_process", lambda: None)() is not None:
+            return "multiprocessing worker"
     argv = list(getattr(sys, "orig_argv", ()))
-    if "-c" in argv[:-1] and argv[argv.index("-c") + 1].lstrip().startswith("from multiprocessing"):
+    if "-c" in argv[:-1] and argv[argv.index("-c") + 1].lstrip().startswith("from multiprocess"):
         return "multiprocessing helper"  # the resource tracker, the fork server
     if rank() is None and any(name in sys.modules for name in LAUNCHERS):
         return "launcher"
