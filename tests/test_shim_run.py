@@ -154,6 +154,29 @@ def test_nested_and_duplicate_installs_run_the_users_sitecustomize_once_per_inte
     assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
 
 
+# An install from before the marker: it chains to the first other sitecustomize on the path, whatever it is.
+NAIVE_CHAIN = """
+import importlib.machinery, importlib.util, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+if spec is not None and spec.loader is not None:
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+"""
+
+
+def test_a_start_up_file_without_the_marker_cannot_make_the_chain_loop(tmp_path):
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "sitecustomize.py").write_text(NAIVE_CHAIN)
+    env = clean_env(PYTHONPATH=str(older))
+    done = launch("shim-run", [sys.executable, "-c", f"TAG = 'command'\n{REPORT}"], env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "Error in sitecustomize" not in done.stderr, done.stderr
+    assert reports(done.stdout)[-1]["shim"]
+
+
 def test_pythonpath_gets_the_directory_once_first_and_keeps_the_rest():
     base = {"PYTHONPATH": os.pathsep.join(["/a", SITECUSTOMIZE_DIR, "/b"])}
     assert environment(base)["PYTHONPATH"] == os.pathsep.join([SITECUSTOMIZE_DIR, "/a", "/b"])

@@ -13,6 +13,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: Every shim-run start-up file holds this text; the chain below never runs a file that holds it.
 MARKER = "hf-train-shim: the start-up file of shim-run"
+#: Set in ``sys.modules`` once an interpreter has chained: the chain never runs twice, whatever runs this file again.
+_GUARD = "_hf_train_shim_sitecustomize_chained"
 
 
 def _import_shim() -> None:
@@ -55,6 +57,9 @@ def _run_the_next_sitecustomize() -> None:
     import importlib.machinery
     import importlib.util
 
+    if _GUARD in sys.modules:  # run again from a chain already under way (a start-up file without MARKER)
+        return
+    sys.modules[_GUARD] = sys.modules[__name__]
     for entry in sys.path:
         if os.path.abspath(entry or os.curdir) == _HERE:
             continue
