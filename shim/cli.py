@@ -1,5 +1,6 @@
-"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``
-and ``python -m shim run [--] <command ...>`` (the ``shim-run`` console script)."""
+"""Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``,
+``python -m shim explain <patch>`` and ``python -m shim run [--] <command ...>`` (the ``shim-run``
+console script). The help texts are in ``shim.helptext``."""
 
 from __future__ import annotations
 
@@ -12,47 +13,14 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from . import __version__
+from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
+from .records import WIDTH  # the tables, the report and the help texts fit this many columns
+
 if TYPE_CHECKING:
     from .records import PatchStatus
 
-WIDTH = 100  # the tables fit this many columns unless --wide
-
-ENVIRONMENT = """\
-environment variables (read when a patch applies, so set them before importing transformers):
-  SHIM_DISABLE=all | name,name   apply nothing / opt these patches out ('_', '-' and case are equal)
-  SHIM_FORCE=name,name           apply these patches even outside their version gate
-  SHIM_STRICT=1                  a patch that should apply but cannot raises shim.PatchError
-  SHIM_LOG_LEVEL=INFO            show the shim's log lines (what applied, first effects) on stderr
-  SHIM_REPORT=1                  print the effects table to stderr when the process exits"""
-
-DESCRIPTION = """\
-hf-train-shim: what the shim did in this environment, and whether the bugs it fixes are there.
-
-commands:
-  status    (default) one row per patch: state, installed version, effects so far, the reason;
-            the patch's one-line summary below it
-  doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
-  run       run [--] <command ...> with the shim imported first in every Python process it starts
-            (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
-
-EXIT_CODES = """\
-exit codes:
-  0  success (status always; doctor: nothing that applies here is left unfixed)
-  1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-  2  the command line was not understood"""
-
-DOCTOR_DESCRIPTION = """\
-Run every patch's self-check on a tiny model built in code (nothing is downloaded), once with the
-patch switched off (does the bug show on the installed versions?) and once on (is it gone?).
-
-verdicts:
-  fixed           the bug shows upstream and the patch removes it
-  NOT FIXED       the bug shows and the patch does not remove it (or cannot apply here)
-  not affected    the patch does not apply here and the bug does not show
-  not reproduced  the patch applies but its self-check does not show the bug here
-  opted out       switched off (SHIM_DISABLE); the self-check ran without it
-  not installed   the library the patch is for is not installed
-  check error     the self-check itself raised (the detail says what)"""
+COMMANDS = ("status", "doctor", "explain", "run")
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -66,15 +34,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="{status,doctor}")
+    parser.add_argument("--version", action="version", version=f"hf-train-shim {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     status = commands.add_parser(
         "status",
         help="what each patch did (the default command)",
-        description="One row per patch: state, installed version, effects so far and the reason; "
-        "the patch's one-line summary (and its last effect) below it.",
-        epilog=f"states: applied, pending (target module not imported yet), skipped (not needed or not "
-        f"safe here), disabled (switched off), failed (wrapping raised and was rolled back)\n\n"
-        f"{ENVIRONMENT}\n\n{EXIT_CODES}",
+        description="One row per patch: state, installed version, effects so far and the reason; the\n"
+        "patch's one-line summary (and its last effect) below it.",
+        epilog=f"{STATES}\n\n{ENVIRONMENT}\n\n{EXIT_CODES}",
         formatter_class=_formatter,
     )
     _common(status)
@@ -91,10 +58,26 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     _common(doctor)
+    explain = commands.add_parser(
+        "explain",
+        help="the story of a patch's bug: symptom, versions measured, the fix, its limits",
+        description="Print the section of docs/bugs.md (shipped with the package) on a patch's bug: the "
+        "symptom,\nthe upstream mechanism, the versions measured, what the fix does, its limits and "
+        "the references.",
+        formatter_class=_formatter,
+    )
+    explain.add_argument("patch", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)")
+    explain.set_defaults(parser=explain)
+    commands.add_parser(  # parsed by shim.run: everything after it is the command's
+        "run",
+        help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
+        add_help=False,
+    )
     return parser
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(parser=parser)  # its own usage for an argument it does not know
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     parser.add_argument("--wide", action="store_true", help=f"do not fit the table to {WIDTH} columns")
 
@@ -119,6 +102,7 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
                 out += textwrap.wrap(
                     note, WIDTH, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False
                 )
+    out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(out)
 
 
@@ -154,9 +138,16 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             if finding.verdict in doctor.FAILING or finding.verdict == doctor.NOT_REPRODUCED:
                 detail = f"{finding.name}: {finding.verdict}: {finding.detail}"
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
+    for note in doctor.notes():  # on stderr with --json: stdout stays the records
+        print(
+            "\n" + textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  "), file=sys.stderr if args.json else None
+        )
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
-        print(f"\ndoctor: not fixed: {', '.join(failing)}", file=sys.stderr)
+        print(
+            "\n" + textwrap.fill(f"doctor: not fixed: {', '.join(failing)}", WIDTH, subsequent_indent="  "),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -167,9 +158,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
-    if not any(arg in ("status", "doctor", "-h", "--help") for arg in argv[:1]):
+    from .run import reader_gone
+
+    try:
+        try:
+            return _command(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader that went away shows in this try
+    except BrokenPipeError:  # python -m shim doctor --json | head: stop quietly, as Unix tools do
+        return reader_gone()
+
+
+def _command(argv: list[str]) -> int:
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # shown with the usage of the command they were given to, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     import shim
 
+    if args.command == "explain":
+        return _explain(args, shim)
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
+
+
+def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
+    from . import bugdocs
+    from .settings import canonical
+
+    name = canonical(args.patch)
+    if name not in shim.registry.names:
+        import difflib
+
+        close = difflib.get_close_matches(name, shim.registry.names, n=2, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}?" if close else "python -m shim lists them"
+        args.parser.error(f"no patch named {args.patch!r}; {hint}")
+    text = bugdocs.section(name)
+    if text is None:
+        print("python -m shim explain: docs/bugs.md is not installed with this copy of the shim", file=sys.stderr)
+        return 1
+    print(bugdocs.reflow(text, WIDTH))
+    return 0

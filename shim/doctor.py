@@ -89,3 +89,42 @@ def examine(registry: Registry, name: str) -> Finding:
 
 def run(registry: Registry) -> list[Finding]:
     return [examine(registry, name) for name in registry.names]
+
+
+#: What transformers raises when the installed peft is older than it needs (``check_peft_version``).
+PEFT_TOO_OLD = "The version of PEFT you are using is not compatible, please use a version >= {minimum}"
+
+
+def peft_note(transformers: str | None, peft: str | None, minimum: str | None) -> str | None:
+    """A line for doctor when transformers needs a newer peft (``MIN_PEFT_VERSION``) than is installed:
+    an incompatibility of the two releases that no patch fixes, but whose error a user should be
+    able to place (transformers 5.24 asks for peft >= 0.22.0 while the newest peft is 0.21.2)."""
+    from packaging.version import InvalidVersion, Version
+
+    if not (transformers and peft and minimum):
+        return None
+    try:
+        if Version(peft) >= Version(minimum):
+            return None
+    except InvalidVersion:
+        return None
+    return (
+        f"transformers {transformers} needs peft >= {minimum} for the adapter methods of its models, and "
+        f"peft {peft} is installed: model.add_adapter(), set_adapter(), enable_adapters(), disable_adapters(), "
+        f"active_adapters(), delete_adapter() and save_pretrained() of a model holding an adapter raise "
+        f"'ValueError: {PEFT_TOO_OLD.format(minimum=minimum)}'. That is an incompatibility of the two releases, "
+        f"not a bug the shim fixes: peft's own API (get_peft_model, PeftModel.from_pretrained, "
+        f"PeftModel.load_adapter) works with them, or install a peft that meets the minimum."
+    )
+
+
+def notes() -> list[str]:
+    """Incompatibilities between the installed releases that doctor points out below its table."""
+    try:
+        from transformers.integrations import peft as integration
+
+        minimum = str(integration.MIN_PEFT_VERSION)
+    except Exception:  # not installed, or a release without the constant: nothing to say
+        minimum = None
+    note = peft_note(versions.installed_version("transformers"), versions.installed_version("peft"), minimum)
+    return [note] if note else []

@@ -76,6 +76,10 @@ def _print_report() -> None:
     if shim is None:
         return
     try:
+        from .processes import quiet_at_exit
+
+        if quiet_at_exit(shim.status()):
+            return  # a helper process (launcher, multiprocessing worker) in which nothing changed
         text = shim.report()
     except Exception as exc:  # the user's program is over: say why, never raise at exit
         text = f"hf-train-shim report failed: {exc!r}"

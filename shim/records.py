@@ -7,16 +7,20 @@ report), never by ``import shim`` itself.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import effects, gating, versions
+from . import bugdocs, effects, gating, processes, versions
 from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, SUSPENDED_REASON
 
 if TYPE_CHECKING:
     from .entry import Entry
     from .patch import Patch
+
+#: Columns a table, report or help text fits, unless the user asks for ``--wide``.
+WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class PatchStatus:
 
     ``effects`` counts the times the patch changed something in this process (calls it passed
     through do not count); ``last_effect`` describes the last one (``""`` while there is none).
+    ``references`` are GitHub addresses and ``python -m shim explain <name>``, which prints the
+    bug's story (``docs/bugs.md``, shipped with the package).
     """
 
     name: str
@@ -78,7 +84,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         requires=f"{declared.distribution}{declared.requires}",
         installed=installed,
         summary=patch.summary if patch else "",
-        references=patch.references if patch else (),
+        references=bugdocs.links(patch.references) if patch else (),
         effects=effects.count(declared.name),
         last_effect=effects.last(declared.name),
     )
@@ -98,23 +104,32 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequen
     return "\n".join(lines)
 
 
-def rank() -> str | None:
-    """The process's rank under torchrun, accelerate or deepspeed (``RANK``), if any."""
-    return os.environ.get("RANK") or None
+def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
 
 
 def report(records: Sequence[PatchStatus]) -> str:
-    """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns."""
+    """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns:
+    a row per patch that changed something, its last effect below it, then the other patches by
+    state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included."""
+    role = processes.helper(spec for r in records for spec in r.targets)
+    prefix = f"[rank {processes.rank()}] " if processes.rank() else ""
+    width = max(WIDTH - len(prefix), 40)
     changed = [r for r in records if r.effects]
-    quiet = [r.name for r in records if r.state == APPLIED and not r.effects]
-    idle = [f"{r.name} ({r.state})" for r in records if r.state != APPLIED and not r.effects]
-    lines = [f"hf-train-shim report (pid {os.getpid()}): {len(changed)} of {len(records)} patches changed something"]
+    who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
+    lines = _wrap(
+        f"hf-train-shim report ({who}): {len(changed)} of {len(records)} patches changed something", width, "", "  "
+    )
     if changed:
-        rows = [[r.name, r.effects, r.last_effect] for r in changed]
-        lines += ["  " + line for line in table(rows, ["patch", "effects", "last effect"], right=(1,)).splitlines()]
-    if quiet:
-        lines.append(f"  applied, nothing to change: {', '.join(quiet)}")
-    if idle:
-        lines.append(f"  not applied: {', '.join(idle)}")
-    prefix = f"[rank {rank()}] " if rank() else ""
+        rows = table([[r.name, r.effects] for r in changed], ["patch", "effects"], right=(1,)).splitlines()
+        lines += ["  " + line for line in rows[:2]]
+        for record, row in zip(changed, rows[2:]):
+            lines += ["  " + row, *_wrap(f"last effect: {record.last_effect}", width, " " * 6, " " * 8)]
+    groups: dict[str, list[str]] = {"applied, nothing to change": []}  # then skipped, pending, ...
+    for r in records:
+        if not r.effects:
+            groups.setdefault("applied, nothing to change" if r.state == APPLIED else r.state, []).append(r.name)
+    for label, names in groups.items():
+        if names:
+            lines += _wrap(f"{label}: {', '.join(names)}", width, "  ", "    ")
     return "\n".join(prefix + line for line in lines)

@@ -35,12 +35,24 @@ examples:
 
 def environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with the sitecustomize directory first on
-    ``PYTHONPATH``, once, the rest of ``PYTHONPATH`` kept in its order."""
+    ``PYTHONPATH``, once, and every other entry kept in its order: an empty entry too, which Python
+    reads as the current directory (``PYTHONPATH=:``, ``/x::``)."""
     env = dict(os.environ if base is None else base)
-    rest = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    rest = [entry for entry in rest if os.path.abspath(entry) != SITECUSTOMIZE_DIR]
+    raw = env.get("PYTHONPATH", "")
+    rest = raw.split(os.pathsep) if raw else []  # an empty PYTHONPATH has no entries, not one empty one
+    rest = [entry for entry in rest if not entry or os.path.abspath(entry) != SITECUSTOMIZE_DIR]
     env["PYTHONPATH"] = os.pathsep.join([SITECUSTOMIZE_DIR, *rest])
     return env
+
+
+def reader_gone() -> int:
+    """After ``BrokenPipeError`` on stdout (``python -m shim doctor --json | head``): point stdout at
+    the null device, so that the flush at exit cannot fail again, and return the status of a Unix
+    tool ended by ``SIGPIPE``, without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command or command[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if command else sys.stderr)
+        try:
+            print(USAGE, file=sys.stdout if command else sys.stderr, flush=True)
+        except BrokenPipeError:  # shim-run --help | head
+            return reader_gone()
         return 0 if command else 2
     env = environment()
     sys.stdout.flush()

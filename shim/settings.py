@@ -85,29 +85,37 @@ def _closest(name: str, known: list[str]) -> str:
 
 
 def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[bool, frozenset[str]]:
-    """The known patch names listed in ``variable``; every other entry gets its own warning."""
-    raw = os.environ.get(variable, "").strip()
-    if raw.lower() in NONE:
-        return False, frozenset()
-    if allow_all and raw.lower() in ALL:
-        return True, frozenset()
+    """Whether ``variable`` names every patch, and the known patch names it lists.
+
+    The value is a comma-separated list, read item by item: an empty item (``name,,``, ``all,``) and
+    ``0``/``false``/``none`` are nothing; ``all`` (also ``1``, ``true``, ``*``) means every patch,
+    alone or inside a list, where ``allow_all``; every other item is a patch name. Each item that is
+    not a known name gets its own warning.
+    """
     known = sorted(known)
-    found = set()
-    for part in raw.split(","):
-        if not part.strip():
+    everything, found = False, set()
+    for part in os.environ.get(variable, "").split(","):
+        item = part.strip()
+        if item.lower() in NONE:
             continue
-        name = canonical(part)
+        if item.lower() in ALL:
+            if allow_all:
+                everything = True
+            else:
+                warn_once(f"{variable}: {item!r} is not accepted, ignored; {variable} takes patch names only")
+            continue
+        name = canonical(item)
         if name in known:
             found.add(name)
         elif _NAME.match(name):
-            warn_once(f"{variable} names an unknown patch {part.strip()!r}, ignored; {_closest(name, known)}")
+            warn_once(f"{variable} names an unknown patch {item!r}, ignored; {_closest(name, known)}")
         else:
             valid = "'all' or " if allow_all else ""
             warn_once(
-                f"{variable}: {part.strip()!r} is not a patch name, ignored; {variable} takes {valid}"
+                f"{variable}: {item!r} is not a patch name, ignored; {variable} takes {valid}"
                 f"a comma-separated list of patch names ({', '.join(known)})"
             )
-    return False, frozenset(found)
+    return everything, frozenset(found)
 
 
 def flag(variable: str) -> bool:

@@ -146,7 +146,7 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    for folder in ("shim", "patches"):
+    for folder in ("shim", "patches", "docs"):
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [
@@ -176,6 +176,7 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
         assert f"shim/patches/{row['module']}.py" in names
     assert "shim/py.typed" in names
     assert "shim/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
+    assert [name for name in names if name.startswith("shim/docs/")] == ["shim/docs/bugs.md"]  # explain's text
     with zipfile.ZipFile(wheel) as archive:
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "shim-run = shim.run:main" in entry_points

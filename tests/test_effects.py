@@ -2,6 +2,7 @@
 in the log, and the counts reach ``shim.status()``, ``shim.report()`` and ``SHIM_REPORT=1``."""
 
 import importlib.util
+import itertools
 import logging
 import tempfile
 
@@ -174,7 +175,10 @@ def test_report_lists_what_changed_and_what_did_not():
     text = shim.report()
     assert text.splitlines()[0].startswith("hf-train-shim report (pid ")
     assert text.splitlines()[0].endswith(f": 1 of {len(shim.status())} patches changed something")
-    assert "checkpoint-kwargs-clean        1  took selective out of the checkpointing kwargs" in text
+    lines = text.splitlines()
+    row = lines.index("  checkpoint-kwargs-clean        1")
+    assert lines[row + 1].startswith("      last effect: took selective out of the checkpointing kwargs")
+    assert max(len(line) for line in lines) <= 100
 
 
 TRAINING_SCRIPT = """
@@ -205,9 +209,20 @@ def test_a_training_script_reports_its_effects_at_exit_and_logs_the_first_ones()
     assert "trained" in reported.stdout
     report = reported.stderr[reported.stderr.index("[rank 1] hf-train-shim report (pid ") :].splitlines()
     assert all(line.startswith("[rank 1] ") for line in report)
-    text = "\n".join(report)
-    assert "load-keeps-requires-grad       10  kept 10 parameter(s) of FrozenBaseLlama frozen" in text
-    assert "checkpointing-restore           1  FrozenBaseLlama was re-enabled without a configuration" in text
+    assert max(len(line) for line in report) <= 100, "the [rank 1] prefix included"
+    rows = [line.removeprefix("[rank 1] ") for line in report]
+
+    def last_effect(row: str) -> str:  # the wrapped lines below a patch's row, joined again
+        below = rows[rows.index(row) + 1 :]
+        return " ".join(line.strip() for line in itertools.takewhile(lambda line: line.startswith(" " * 6), below))
+
+    assert last_effect("  load-keeps-requires-grad       10") == (
+        f"last effect: kept 10 parameter(s) of FrozenBaseLlama frozen that transformers {transformers.__version__} "
+        "made trainable while loading"
+    )
+    assert last_effect("  checkpointing-restore           1").startswith(
+        "last effect: FrozenBaseLlama was re-enabled without a configuration"
+    )
 
     logged = run_python(TRAINING_SCRIPT, env={"SHIM_LOG_LEVEL": "INFO"}).stderr
     assert "shim INFO: load-keeps-requires-grad: kept 1 parameter(s) of FrozenBaseLlama frozen" in logged

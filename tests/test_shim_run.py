@@ -121,11 +121,89 @@ def test_the_users_sitecustomize_still_runs_after_the_shim(tmp_path):
     assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
 
 
+USER_SITECUSTOMIZE = """
+import os, sys
+sys.user_sitecustomize_runs = getattr(sys, "user_sitecustomize_runs", 0) + 1
+print(f"user sitecustomize: run {sys.user_sitecustomize_runs} in pid {os.getpid()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nesting", ["another install around this one", "this one twice"])
+def test_nested_and_duplicate_installs_run_the_users_sitecustomize_once_per_interpreter(tmp_path, nesting):
+    user = tmp_path / "user-site"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
+    other = tmp_path / "global" / "_sitecustomize"  # a second hf-train-shim install's start-up directory
+    other.mkdir(parents=True)
+    (other / "sitecustomize.py").write_text(Path(SITECUSTOMIZE_DIR, "sitecustomize.py").read_text())
+    pythonpath = {
+        "another install around this one": [str(other), str(user)],
+        "this one twice": [str(user), SITECUSTOMIZE_DIR],
+    }[nesting]
+    command = [sys.executable, "-c", f"TAG = 'command'\n{REPORT}"]
+    if nesting == "this one twice":
+        command = [str(SHIM_RUN), *command]
+    env = clean_env(PYTHONPATH=os.pathsep.join(pythonpath))
+    done = launch("shim-run", command, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and "Error in sitecustomize" not in done.stderr, done.stderr
+    runs = [line for line in done.stdout.splitlines() if line.startswith("user sitecustomize")]
+    # Each interpreter of the pid runs it once: shim-run's own Python(s), then the command's.
+    interpreters = 3 if nesting == "this one twice" else 2
+    assert runs == [runs[0]] * interpreters and runs[0].startswith("user sitecustomize: run 1 in pid "), done.stdout
+    report = reports(done.stdout)[-1]
+    assert report["shim"] and report["sitecustomize"] == str(user / "sitecustomize.py")
+
+
+# An install from before the marker: it chains to the first other sitecustomize on the path, whatever it is.
+NAIVE_CHAIN = """
+import importlib.machinery, importlib.util, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+if spec is not None and spec.loader is not None:
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+"""
+
+
+def test_a_start_up_file_without_the_marker_cannot_make_the_chain_loop(tmp_path):
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "sitecustomize.py").write_text(NAIVE_CHAIN)
+    env = clean_env(PYTHONPATH=str(older))
+    done = launch("shim-run", [sys.executable, "-c", f"TAG = 'command'\n{REPORT}"], env=env, cwd=tmp_path)
+    assert done.returncode == 0 and "Error in sitecustomize" not in done.stderr, done.stderr
+    assert reports(done.stdout)[-1]["shim"]
+
+
 def test_pythonpath_gets_the_directory_once_first_and_keeps_the_rest():
     base = {"PYTHONPATH": os.pathsep.join(["/a", SITECUSTOMIZE_DIR, "/b"])}
     assert environment(base)["PYTHONPATH"] == os.pathsep.join([SITECUSTOMIZE_DIR, "/a", "/b"])
     assert environment({})["PYTHONPATH"] == SITECUSTOMIZE_DIR
     assert environment(environment({"PYTHONPATH": "/a"})) == environment({"PYTHONPATH": "/a"})  # nested shim-run
+
+
+def test_empty_pythonpath_entries_are_kept_in_their_place():
+    """An empty entry is the current directory to Python; an empty PYTHONPATH has no entry at all."""
+    for value in (":", "/x::", ":/x", "/x::/y"):
+        assert environment({"PYTHONPATH": value})["PYTHONPATH"] == SITECUSTOMIZE_DIR + os.pathsep + value
+    assert environment({"PYTHONPATH": ""})["PYTHONPATH"] == SITECUSTOMIZE_DIR
+    assert environment(environment({"PYTHONPATH": ":"})) == environment({"PYTHONPATH": ":"})
+
+
+@pytest.mark.parametrize("pythonpath", [":", "/x::"])
+def test_a_module_in_the_current_directory_imports_as_without_shim_run(tmp_path, pythonpath):
+    (tmp_path / "localmod.py").write_text("VALUE = 'local'\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("import localmod\nprint(localmod.VALUE)\n")
+    env = clean_env(PYTHONPATH=pythonpath)
+    plain = subprocess.run(
+        [sys.executable, "scripts/train.py"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    under = launch("shim-run", [sys.executable, "scripts/train.py"], env=env, cwd=tmp_path)
+    assert plain.stdout == "local\n", plain.stderr
+    assert (under.returncode, under.stdout) == (0, "local\n"), under.stderr
 
 
 SCRIPT_WITH_IMPORT_SHIM = """
@@ -167,6 +245,22 @@ def test_a_script_that_imports_the_shim_itself_gets_no_second_layer(tmp_path):
     assert counts == json.loads(plain.stdout.splitlines()[-1])
 
 
+def test_a_python_without_the_shim_runs_and_says_so(tmp_path):
+    """A venv not activated: ``shim-run python train.py`` finds another environment's python first."""
+    import venv
+
+    venv.create(tmp_path / "other", with_pip=False)  # the base interpreter, none of this environment's packages
+    other = tmp_path / "other" / "bin"
+    code = "import sys; print('ran', 'shim' in sys.modules)"
+    by_path = launch("shim-run", [str(other / "python"), "-c", code], cwd=tmp_path)
+    on_path = launch("shim-run", ["python", "-c", code], env=clean_env(PATH=f"{other}{os.pathsep}{os.environ['PATH']}"))
+    for done in (by_path, on_path):
+        assert (done.returncode, done.stdout) == (0, "ran False\n"), done.stderr
+        assert f"shim-run: {other / 'python'}: hf-train-shim is not installed for this Python" in done.stderr
+        assert "shim-run .venv/bin/python train.py" in done.stderr
+    assert launch("shim-run", [sys.executable, "-c", code]).stderr == ""  # this environment's: quiet
+
+
 def test_shim_switches_pass_through():
     code = "import json, shim; print(json.dumps(sorted({s.state for s in shim.status()})))"
     done = launch("shim-run", [sys.executable, "-c", code], env=clean_env(SHIM_DISABLE="all"))
@@ -186,3 +280,49 @@ def test_every_torchrun_rank_has_the_shim(tmp_path):
     written = "\n".join(path.read_text() for path in sorted(tmp_path.glob("report-*.json")))
     seen = {report["tag"]: report["shim"] for report in reports(written)}
     assert seen == {"rank 0": True, "rank 1": True}
+
+
+HELPERS = """
+import multiprocessing
+import shim
+
+def worker(changed):
+    if changed:
+        shim.record_effect("checkpoint-kwargs-clean", "an effect in a worker")
+    else:
+        import transformers.modeling_utils  # a target module, as a worker that unpickles a model imports it
+
+if __name__ == "__main__":
+    import transformers.modeling_utils
+    context = multiprocessing.get_context("spawn")  # starts the resource tracker too
+    for changed in (False, True):
+        process = context.Process(target=worker, args=(changed,))
+        process.start()
+        process.join()
+"""
+
+
+def report_headers(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "hf-train-shim report (pid " in line]
+
+
+def test_shim_report_one_report_per_training_process_helpers_only_when_they_changed_something(tmp_path):
+    """The resource tracker and a spawn worker that changed nothing stay quiet; a worker that did says so."""
+    (tmp_path / "train.py").write_text(HELPERS)
+    env = clean_env(SHIM_REPORT="1", RANK="1")
+    done = launch("shim-run", [sys.executable, "train.py"], env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    headers = report_headers(done.stderr)
+    assert len(headers) == 2, done.stderr
+    assert sum(": 0 of " in h and h.startswith("[rank 1] hf-train-shim report (pid ") for h in headers) == 1
+    assert sum(", multiprocessing worker): 1 of " in h for h in headers) == 1
+
+
+def test_shim_report_under_torchrun_one_report_per_rank_none_from_the_launcher(tmp_path):
+    (tmp_path / "train.py").write_text("import transformers.modeling_utils\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
+    env = clean_env(SHIM_REPORT="1", OMP_NUM_THREADS="1")
+    done = launch("shim-run", command, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    headers = sorted(h[: h.index("]") + 1] for h in report_headers(done.stderr))
+    assert headers == ["[rank 0]", "[rank 1]"], done.stderr

@@ -73,6 +73,36 @@ def test_a_bad_flag_warns_with_the_valid_values(monkeypatch):
         assert settings.read(()).strict is False
 
 
+KNOWN = ("first-patch", "second-patch")
+
+
+@pytest.mark.parametrize("value", ["all,", "all, ", "1,", "true,", " * ,", ",ALL", "first_patch, all", "all,,none"])
+def test_all_inside_a_list_disables_everything_without_a_warning(monkeypatch, value):
+    monkeypatch.setenv("SHIM_DISABLE", value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert settings.read(KNOWN).disable_all is True
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [("first-patch,,", {"first-patch"}), (",first_patch,", {"first-patch"}), (",,", set()), (" , 0 ,", set())],
+)
+def test_empty_items_of_a_list_are_ignored_everywhere(monkeypatch, value, names):
+    monkeypatch.setenv("SHIM_DISABLE", value)
+    monkeypatch.setenv("SHIM_FORCE", value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = settings.read(KNOWN)
+    assert (config.disable_all, config.disabled, config.forced) == (False, names, names)
+
+
+def test_force_takes_no_all(monkeypatch):
+    monkeypatch.setenv("SHIM_FORCE", "all,first-patch")
+    with pytest.warns(ShimWarning, match="SHIM_FORCE: 'all' is not accepted, ignored; SHIM_FORCE takes patch names"):
+        assert settings.read(KNOWN).forced == {"first-patch"}
+
+
 # -- the Python API ------------------------------------------------------------------------------
 
 

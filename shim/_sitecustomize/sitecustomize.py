@@ -11,6 +11,10 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+#: Every shim-run start-up file holds this text; the chain below never runs a file that holds it.
+MARKER = "hf-train-shim: the start-up file of shim-run"
+#: Set in ``sys.modules`` once an interpreter has chained: the chain never runs twice, whatever runs this file again.
+_GUARD = "_hf_train_shim_sitecustomize_chained"
 
 
 def _import_shim() -> None:
@@ -19,7 +23,11 @@ def _import_shim() -> None:
     except ModuleNotFoundError as exc:
         if exc.name != "shim":
             _say(f"hf-train-shim could not be imported ({exc!r}); running without it")
-        # an interpreter that has no shim installed (another environment's python): left as it is
+        else:  # another environment's Python (a venv not activated): it runs, but the user should know
+            _say(
+                "hf-train-shim is not installed for this Python, which runs without it;\n"
+                "  name the Python that has it (shim-run .venv/bin/python train.py) or install it there"
+            )
     except Exception as exc:  # a broken install must not stop the user's program
         _say(f"hf-train-shim could not be imported ({exc!r}); running without it")
 
@@ -28,18 +36,40 @@ def _say(message: str) -> None:
     print(f"shim-run: {sys.executable}: {message}", file=sys.stderr, flush=True)
 
 
+def _is_a_shim_run_file(origin: str | None) -> bool:
+    """Whether ``origin`` is a shim-run start-up file: this one, or another install's."""
+    if not origin or not origin.endswith(".py"):
+        return False
+    try:
+        with open(origin, "rb") as file:
+            return MARKER.encode() in file.read()
+    except OSError:
+        return False
+
+
 def _run_the_next_sitecustomize() -> None:
-    """Run the ``sitecustomize`` that Python would have run without this directory, if there is one."""
+    """Run the ``sitecustomize`` that Python would have run without shim-run, if there is one.
+
+    That is the first one on ``sys.path`` that is no shim-run start-up file: another install's
+    directory on ``PYTHONPATH`` (a global ``shim-run`` around a virtual environment's) is passed
+    over like this one, so each interpreter runs the user's module exactly once.
+    """
     import importlib.machinery
     import importlib.util
 
-    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is None or spec.loader is None:
+    if _GUARD in sys.modules:  # run again from a chain already under way (a start-up file without MARKER)
         return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sitecustomize"] = module  # ``import sitecustomize`` elsewhere finds the user's module
-    spec.loader.exec_module(module)
+    sys.modules[_GUARD] = sys.modules[__name__]
+    for entry in sys.path:
+        if os.path.abspath(entry or os.curdir) == _HERE:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", [entry])
+        if spec is None or spec.loader is None or _is_a_shim_run_file(spec.origin):
+            continue
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module  # ``import sitecustomize`` elsewhere finds the user's module
+        spec.loader.exec_module(module)
+        return
 
 
 _import_shim()

@@ -1,0 +1,48 @@
+"""The help texts of ``python -m shim``, fitted to 100 columns (``tests/test_cli_edges.py``)."""
+
+ENVIRONMENT = """\
+environment variables (read when a patch applies, so set them before importing transformers):
+  SHIM_DISABLE=all | name,name   apply nothing / opt these patches out ('_', '-' and case are equal)
+  SHIM_FORCE=name,name           apply these patches even outside their version gate
+  SHIM_STRICT=1                  a patch that should apply but cannot raises shim.PatchError
+  SHIM_LOG_LEVEL=INFO            show the shim's log lines (what applied, first effects) on stderr
+  SHIM_REPORT=1                  print the effects table to stderr when the process exits"""
+
+DESCRIPTION = """\
+hf-train-shim: what the shim did in this environment, and whether the bugs it fixes are there.
+
+commands:
+  status    (default) one row per patch: state, installed version, effects so far, the reason;
+            the patch's one-line summary below it
+  doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
+  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits
+  run       run [--] <command ...> with the shim imported first in every Python process it starts
+            (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
+
+STATES = """\
+states:
+  applied   in place: its wrappers act while it is switched on
+  pending   its target module is not imported yet: it applies right after that import
+  skipped   not needed or not safe here (outside its gate, library not installed, code changed)
+  disabled  switched off (SHIM_DISABLE, shim.disable(), inside shim.disabled())
+  failed    wrapping raised and was rolled back"""
+
+EXIT_CODES = """\
+exit codes:
+    0  success (status always; doctor: nothing that applies here is left unfixed)
+    1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
+    2  the command line was not understood
+  141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
+
+DOCTOR_DESCRIPTION = """\
+Run every patch's self-check on a tiny model built in code (nothing is downloaded), once with the
+patch switched off (does the bug show on the installed versions?) and once on (is it gone?).
+
+verdicts:
+  fixed           the bug shows upstream and the patch removes it
+  NOT FIXED       the bug shows and the patch does not remove it (or cannot apply here)
+  not affected    the patch does not apply here and the bug does not show
+  not reproduced  the patch applies but its self-check does not show the bug here
+  opted out       switched off (SHIM_DISABLE); the self-check ran without it
+  not installed   the library the patch is for is not installed
+  check error     the self-check itself raised (the detail says what)"""

@@ -1,0 +1,50 @@
+"""doctor names an incompatibility of the installed releases that no patch fixes, with the error a
+user meets: transformers 5.24 asks for peft >= 0.22.0 while the newest peft is 0.21.2."""
+
+import importlib.util
+
+import pytest
+from packaging.version import Version
+
+from shim import doctor
+from tests.conftest import run_python
+
+HAS_PEFT = importlib.util.find_spec("peft") is not None
+
+
+def test_the_peft_note_appears_only_where_peft_is_older_than_transformers_needs():
+    note = doctor.peft_note("5.24.0", "0.21.2", "0.22.0")
+    assert note is not None and note.startswith("transformers 5.24.0 needs peft >= 0.22.0")
+    assert "'ValueError: The version of PEFT you are using is not compatible, please use a version >= 0.22.0'" in note
+    assert doctor.peft_note("5.23.0", "0.21.2", "0.20.0") is None
+    assert doctor.peft_note("5.24.0", "0.22.0", "0.22.0") is None
+    assert doctor.peft_note(None, "0.21.2", "0.22.0") is None and doctor.peft_note("5.24.0", None, "0.22.0") is None
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
+def test_the_note_quotes_what_transformers_raises_on_these_releases():
+    import peft
+    import transformers
+    from transformers.integrations.peft import MIN_PEFT_VERSION
+
+    from shim.tinymodels import tiny_llama_config
+
+    notes = doctor.notes()
+    if Version(peft.__version__) >= Version(MIN_PEFT_VERSION):
+        assert notes == []
+        return
+    (note,) = notes
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    with pytest.raises(ValueError) as raised:
+        model.add_adapter(peft.LoraConfig(target_modules=["q_proj"]))
+    assert f"'ValueError: {raised.value}'" in note
+
+
+@pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
+def test_doctor_prints_the_note_below_its_table():
+    table = run_python("from shim.cli import main; raise SystemExit(main(['doctor']))", timeout=600).stdout
+    expected = doctor.notes()
+    assert ("\nnote: transformers " in table) == bool(expected)
+    if expected:
+        assert " ".join(table[table.index("note: ") :].split()) == f"note: {' '.join(expected[0].split())}"
+        assert all(len(line) <= 100 for line in table.splitlines())
