@@ -14,8 +14,8 @@ parameters that are never used), or ``find_unused_parameters=False`` under gradi
 a static graph fails on. Everything else, single-process runs included, stays upstream's.
 
 Limits: a trainable parameter used on some steps only trains with no setting here (the error changes,
-and where ranks differ within a step DDP waits instead of failing); a model from ``model_init`` keeps
-upstream's choice. Full story, versions measured and references:
+and where ranks differ within a step DDP hangs instead of failing); a model ``model_init`` builds after
+the decision keeps upstream's choice. Full story, versions measured and references:
 docs/bugs.md#ddp-find-unused-for-checkpointing
 """
 
@@ -308,6 +308,7 @@ PATCH = Patch(
         "huggingface/trl#4782",
         "huggingface/peft#301",
         "huggingface/transformers#13961",
+        "pytorch/pytorch#143580",
     ),
     self_check=_self_check,
 )
