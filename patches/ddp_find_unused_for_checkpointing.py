@@ -1,30 +1,33 @@
-"""``ddp-find-unused-for-checkpointing``: DDP's ``find_unused_parameters`` follows the checkpointing the model runs.
+"""``ddp-find-unused-for-checkpointing``: DDP gets settings that reentrant checkpointing can train with.
 
-Symptom: a PEFT model trained by transformers' Trainer under DDP with reentrant checkpointing fails
-in the first backward with ``RuntimeError: Expected to mark a variable ready only once``. Left unset,
-the Trainer decides ``find_unused_parameters`` from the model's class: anything that is not a
-``PreTrainedModel`` (a ``PeftModel``) gets ``True``, which reentrant checkpointing cannot run with.
+Symptom: a PEFT (or other wrapped) model trained by transformers' Trainer under DDP with reentrant
+checkpointing fails in the first backward with ``RuntimeError: Expected to mark a variable ready only
+once``. Left unset, the Trainer gives every model that is no ``PreTrainedModel`` (a ``PeftModel``)
+``find_unused_parameters=True``, which DDP cannot run when a reentrantly checkpointed layer holds a
+trainable parameter.
 
-Fix: the Trainer method that takes the decision is wrapped, and one case changes: the user left the
-setting unset, upstream chose ``True``, neither DeepSpeed nor FSDP is in use, and the checkpoint
-function the model's layers will run (found through any wrapper, or the one the Trainer's own enable
-will build from ``gradient_checkpointing_kwargs``) is reentrant by ``_checkpointing.is_reentrant``.
-Then DDP gets ``False``. Every other decision is upstream's; ``False`` never becomes ``True``.
+Fix: the Trainer method that takes the decision is wrapped, and one case changes: the user set neither
+``ddp_find_unused_parameters`` nor ``ddp_static_graph``, upstream chose ``True``, the model will be
+wrapped in DDP (several processes, no DeepSpeed or FSDP), and a layer that will checkpoint reentrantly
+holds a trainable parameter. Then DDP gets ``static_graph=True`` (which also trains with trainable
+parameters that are never used), or ``find_unused_parameters=False`` under gradient accumulation, which
+a static graph fails on. Everything else, single-process runs included, stays upstream's.
 
-Limits: the opposite mistake (``False`` with parameters unused in a step) is not corrected;
-checkpointing changed between ``Trainer(...)`` and ``train()`` may be judged as it was before.
-
-Full story, versions measured and references: docs/bugs.md#ddp-find-unused-for-checkpointing
+Limits: a trainable parameter used on some steps only trains with no setting here (the error changes,
+and where ranks differ within a step DDP hangs instead of failing); a model ``model_init`` builds after
+the decision keeps upstream's choice. Full story, versions measured and references:
+docs/bugs.md#ddp-find-unused-for-checkpointing
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
 from shim import Patch, Target, record_effect
 
-from ._checkpointing import MISSING, checkpointing_modules, is_reentrant
+from ._checkpointing import MISSING, first_trainable, is_reentrant
 
 NAME = "ddp-find-unused-for-checkpointing"
 # Keys the Trainer takes out of the checkpointing kwargs before enabling (5.16+; checkpoint-kwargs-clean earlier).
@@ -41,14 +44,12 @@ def _setting(args, name: str):
     return getattr(args, new) if hasattr(args, new) else getattr(args, name, None)
 
 
-def function_in_effect(model):
-    """The checkpoint function ``model``'s checkpointing layers hold now; ``None`` when none checkpoints
-    (or when a checkpointing layer holds no function this rule can read)."""
-    for module in checkpointing_modules(model):
-        if module.gradient_checkpointing:
-            function = module.__dict__.get("_gradient_checkpointing_func", MISSING)
-            return None if function is MISSING else function
-    return None
+def wraps_in_ddp(args) -> bool:
+    """Whether accelerate will wrap the model in DDP: several processes of a ``MULTI_*`` distributed type
+    (DeepSpeed, FSDP, XLA and single-process runs are not)."""
+    state = getattr(args, "distributed_state", None)
+    kind = getattr(getattr(state, "distributed_type", None), "name", "")
+    return str(kind).startswith("MULTI_") and (getattr(state, "num_processes", 1) or 1) > 1
 
 
 def function_the_trainer_builds(checkpoint_kwargs):
@@ -64,27 +65,86 @@ def function_the_trainer_builds(checkpoint_kwargs):
     return functools.partial(torch.utils.checkpoint.checkpoint, **(kwargs or TRANSFORMERS_DEFAULT))
 
 
-def _decide(trainer, handler, enable_comes_later: bool) -> None:
-    """Set ``handler.find_unused_parameters`` to ``False`` where upstream chose ``True`` for a model whose
-    checkpointing will be reentrant and the user left the setting unset."""
-    args = trainer.args
-    if args.ddp_find_unused_parameters is not None or handler.find_unused_parameters is not True:
-        return
-    model = trainer.model
+def _layer_class():
+    return getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+
+
+def checkpointed_layers(model, every_n_layers: int | None = None) -> list:
+    """The modules of ``model`` whose own forward runs under their checkpoint function.
+
+    ``every_n_layers=None``: as the flags are now. A number: as transformers' enable will set them, every
+    ``every_n_layers``-th ``GradientCheckpointingLayer`` in module order. A module with the flag that is
+    no such layer and has none below it (older and remote-code models, whose parent module checkpoints
+    its children) counts as a whole; one with such layers below it (``LlamaModel``) leaves them to it.
+    """
+    layer_class = _layer_class()
+    found, index = [], 0
+    for module in model.modules():
+        if not hasattr(module, "gradient_checkpointing"):
+            continue
+        if layer_class is not None and isinstance(module, layer_class):
+            if every_n_layers is None:
+                checkpoints = bool(module.gradient_checkpointing)
+            else:
+                checkpoints = index % every_n_layers == 0
+                index += 1
+        else:
+            has_layers = layer_class is not None and any(isinstance(m, layer_class) for m in module.modules())
+            checkpoints = not has_layers and (every_n_layers is not None or bool(module.gradient_checkpointing))
+        if checkpoints:
+            found.append(module)
+    return found
+
+
+def _every_n_layers(checkpoint_kwargs) -> int:
+    value = checkpoint_kwargs.get("every_n_layers", 1) if isinstance(checkpoint_kwargs, dict) else 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def reentrant_layer_with_trainable(model, args, enable_comes_later: bool):
+    """The first layer of ``model`` that will checkpoint reentrantly and holds a trainable parameter, or
+    ``None``: with ``find_unused_parameters=True`` DDP marks such a parameter ready at the end of forward
+    (it is not in the graph) and again when the recomputation in backward uses it."""
     if enable_comes_later and _setting(args, "gradient_checkpointing"):
-        function = function_the_trainer_builds(_setting(args, "gradient_checkpointing_kwargs"))
-        source = "the checkpointing the Trainer will enable"
-    else:
-        function = function_in_effect(model)
-        source = "its checkpointing"
-    if function is None or not is_reentrant(function):
+        checkpoint_kwargs = _setting(args, "gradient_checkpointing_kwargs")
+        function = function_the_trainer_builds(checkpoint_kwargs)
+        if function is None or not is_reentrant(function):
+            return None
+        layers = checkpointed_layers(model, _every_n_layers(checkpoint_kwargs))
+        return next((layer for layer in layers if first_trainable(layer) is not None), None)
+    for layer in checkpointed_layers(model):
+        function = layer.__dict__.get("_gradient_checkpointing_func", MISSING)
+        if function is not MISSING and is_reentrant(function) and first_trainable(layer) is not None:
+            return layer
+    return None
+
+
+def _decide(trainer, handler, model, enable_comes_later: bool) -> None:
+    """Change ``handler`` (accelerate's DDP kwargs) where upstream's ``find_unused_parameters=True`` meets a
+    layer that checkpoints reentrantly with a trainable parameter, the user left both DDP settings unset
+    and the model will be wrapped in DDP."""
+    args = trainer.args
+    if args.ddp_find_unused_parameters is not None or getattr(args, "ddp_static_graph", None) is not None:
         return
+    if handler.find_unused_parameters is not True or getattr(handler, "static_graph", False):
+        return
+    if model is None or not wraps_in_ddp(args):
+        return
+    layer = reentrant_layer_with_trainable(model, args, enable_comes_later)
+    if layer is None:
+        return  # nothing trainable is checkpointed reentrantly: upstream's True trains
     handler.find_unused_parameters = False
+    if (getattr(args, "gradient_accumulation_steps", 1) or 1) > 1:
+        chosen = "find_unused_parameters=False (gradient accumulation: DDP's static graph fails under no_sync)"
+    else:
+        handler.static_graph = True
+        chosen = "static_graph=True, find_unused_parameters=False"
     record_effect(
         NAME,
-        "the Trainer chose find_unused_parameters=True for %s (not a PreTrainedModel) although %s is reentrant, "
-        "which DDP fails on ('Expected to mark a variable ready only once'); the shim chose False",
-        type(model).__name__, source,
+        "the Trainer chose find_unused_parameters=True for %s (not a PreTrainedModel), which DDP fails on "
+        "('Expected to mark a variable ready only once') when a reentrantly checkpointed layer holds trainable "
+        "parameters (%s does); the shim chose %s",
+        type(model).__name__, type(layer).__name__, chosen,
     )  # fmt: skip
 
 
@@ -93,14 +153,17 @@ def _ddp_kwargs_class():
 
 
 def _build_accelerator_args(wrapped, instance, args, kwargs):
-    """5.3+: the DDP kwargs handler is built here, in ``Trainer.__init__``."""
+    """5.3+: the DDP kwargs handler is built here, in ``Trainer.__init__`` (and again by a hyperparameter
+    search)."""
     result = wrapped(*args, **kwargs)
     # Under DeepSpeed or FSDP the model is never wrapped in DDP: the handler is not used.
     if instance is not None and isinstance(result, dict) and not _other_engine(result):
-        handlers = result.get("kwargs_handlers") or ()
-        for handler in handlers:
+        # With model_init the model DDP wraps is built later, in train(): None in __init__, the previous
+        # trial's in a hyperparameter search. Nothing to judge it by.
+        model = None if getattr(instance, "model_init", None) is not None else getattr(instance, "model", None)
+        for handler in result.get("kwargs_handlers") or ():
             if isinstance(handler, _ddp_kwargs_class()):
-                _decide(instance, handler, enable_comes_later=True)
+                _decide(instance, handler, model, enable_comes_later=True)
     return result
 
 
@@ -109,7 +172,8 @@ def _other_engine(accelerator_args: dict) -> bool:
 
 
 def _wrap_model(wrapped, instance, args, kwargs):
-    """Up to 5.2: the DDP kwargs handler is built here, in training, after the Trainer enabled checkpointing."""
+    """Up to 5.2: the DDP kwargs handler is built here, in training, after the Trainer enabled checkpointing
+    (and called model_init), only for a distributed run."""
     if instance is None:
         return wrapped(*args, **kwargs)
     accelerator = getattr(instance, "accelerator", None)
@@ -117,7 +181,7 @@ def _wrap_model(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     handler = getattr(accelerator, "ddp_handler", None)
     if handler is not before and isinstance(handler, _ddp_kwargs_class()):
-        _decide(instance, handler, enable_comes_later=False)
+        _decide(instance, handler, instance.model, enable_comes_later=False)
     return result
 
 
@@ -130,28 +194,56 @@ def _probe():
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
 
-def ddp_decision(trainer) -> bool:
-    """The ``find_unused_parameters`` ``trainer`` hands DDP when it trains on several processes.
-
-    From 5.3 the Trainer decided it in ``__init__``; up to 5.2 it decides in ``_wrap_model`` during
-    ``train()``, only when the run is distributed, after enabling checkpointing: this helper does what
-    ``train()`` does up to that point, with the arguments made to read as a multi-process run.
-    """
-    handler = getattr(trainer.accelerator, "ddp_handler", None)
-    if handler is not None:
-        return bool(handler.find_unused_parameters)
+@contextlib.contextmanager
+def as_multi_process(args):
+    """``args`` read as a run of two CPU processes (the DDP decision's input) inside the block."""
     import types
 
     from accelerate.utils import DistributedType
 
+    saved = args.__dict__.get("distributed_state", MISSING)
+    args.distributed_state = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2)
+    try:
+        yield args
+    finally:
+        if saved is MISSING:
+            del args.distributed_state
+        else:
+            args.distributed_state = saved
+
+
+def ddp_decision(trainer) -> dict:
+    """``{"find_unused_parameters": ..., "static_graph": ...}``: what ``trainer`` hands DDP when it trains on
+    several processes, taken in this one.
+
+    From 5.3 the Trainer decides in ``_build_accelerator_args`` (``__init__``): this helper calls it again
+    with the arguments reading as a multi-process run. Up to 5.2 it decides in ``_wrap_model`` during
+    ``train()``, only when the run is distributed, after enabling checkpointing: this helper does what
+    ``train()`` does up to that point, with the arguments reading as a multi-process run.
+    """
     args = trainer.args
-    if _setting(args, "gradient_checkpointing"):
-        trainer.model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=_setting(args, "gradient_checkpointing_kwargs")
-        )
-    args.distributed_state = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
-    trainer._wrap_model(trainer.model)
-    return bool(trainer.accelerator.ddp_handler.find_unused_parameters)
+    if hasattr(type(trainer), "_build_accelerator_args"):
+        with as_multi_process(args):
+            built = trainer._build_accelerator_args()
+        handler = next(h for h in built["kwargs_handlers"] if isinstance(h, _ddp_kwargs_class()))
+    else:
+        if _setting(args, "gradient_checkpointing"):
+            trainer.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=_setting(args, "gradient_checkpointing_kwargs")
+            )
+        with as_multi_process(args):
+            trainer._wrap_model(trainer.model)
+        handler = trainer.accelerator.ddp_handler
+    return {
+        "find_unused_parameters": bool(handler.find_unused_parameters),
+        "static_graph": bool(getattr(handler, "static_graph", False)),
+    }
+
+
+def fails_under_reentrant_checkpointing(decision: dict) -> bool:
+    """Whether DDP built with ``decision`` fails on a layer that checkpoints reentrantly with a trainable
+    parameter (``Expected to mark a variable ready only once``)."""
+    return decision["find_unused_parameters"] and not decision["static_graph"]
 
 
 def model_wrapper_class():
@@ -170,8 +262,8 @@ def model_wrapper_class():
 
 
 def _self_check() -> bool:
-    """True when the Trainer hands DDP ``find_unused_parameters=True`` for a model that is no
-    ``PreTrainedModel`` and checkpoints reentrantly."""
+    """True when the Trainer hands DDP ``find_unused_parameters=True`` without a static graph for a model
+    that is no ``PreTrainedModel`` and checkpoints reentrantly, every parameter trainable."""
     import tempfile
     import warnings
 
@@ -188,13 +280,13 @@ def _self_check() -> bool:
     with tempfile.TemporaryDirectory() as directory:
         args = transformers.TrainingArguments(output_dir=directory, use_cpu=True, report_to="none")
         trainer = transformers.Trainer(model=model_wrapper_class()(model), args=args)
-        return ddp_decision(trainer)
+        return fails_under_reentrant_checkpointing(ddp_decision(trainer))
 
 
 PATCH = Patch(
     name=NAME,
-    summary="DDP's find_unused_parameters follows the model's real checkpointing: False under reentrant "
-    "checkpointing for PEFT and other wrapped models.",
+    summary="DDP gets settings reentrant checkpointing trains with (a static graph, or find_unused_parameters=False "
+    "under gradient accumulation) for PEFT and other wrapped models with trainable checkpointed layers.",
     distribution="transformers",
     requires=">=4.57",
     targets=(
@@ -216,6 +308,7 @@ PATCH = Patch(
         "huggingface/trl#4782",
         "huggingface/peft#301",
         "huggingface/transformers#13961",
+        "pytorch/pytorch#143580",
     ),
     self_check=_self_check,
 )

@@ -5,8 +5,8 @@
 #         [--checkpointing {default,reentrant,non-reentrant,off}] [--modules-to-save lm_head] [--max-steps N]
 #
 # Each rank writes LOG_DIR/lora-rank<R>.json: the loss of every optimizer step, the shim's patch states, the
-# find_unused_parameters DDP was built with, and the library versions. "default" passes no checkpointing
-# kwargs (transformers 5.x then checkpoints non-reentrantly).
+# find_unused_parameters and static_graph DDP was built with, and the library versions. "default" passes no
+# checkpointing kwargs (transformers 5.x then checkpoints non-reentrantly).
 import argparse
 import json
 import os
@@ -82,6 +82,7 @@ class StepLog(TrainerCallback):
             "losses": self.losses,
             "shim": {patch.name: patch.state for patch in shim.status()},
             "find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
+            "static_graph": getattr(wrapped, "static_graph", None),
             "versions": {name: version(name) for name in ("deepspeed", "transformers", "peft", "torch")},
             "effects": {patch.name: patch.effects for patch in shim.status() if patch.effects},
         }

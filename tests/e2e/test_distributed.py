@@ -152,7 +152,9 @@ def test_ddp_reentrant_peft_trains_with_the_patch(tmp_path):
     trained = run_lora(tmp_path, "ddp", "reentrant")
 
     assert_completed(trained)
+    # A static graph (tests/e2e/test_ddp_unused.py: the other models and gradient accumulation).
     assert all(report["find_unused_parameters"] is False for report in trained.reports.values())
+    assert all(report["static_graph"] is True for report in trained.reports.values())
     assert trained.reports[0]["effects"].get(DDP) == 1
 
 
@@ -161,6 +163,7 @@ def test_ddp_non_reentrant_peft_keeps_upstreams_choice(tmp_path):
 
     assert_completed(trained)
     assert all(report["find_unused_parameters"] is True for report in trained.reports.values())
+    assert all(report["static_graph"] is False for report in trained.reports.values())
     assert DDP not in trained.reports[0]["effects"]
 
 
