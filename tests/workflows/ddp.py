@@ -77,31 +77,33 @@ def rank_main(rank: int, init: str, names: list, out: str) -> dict:
 
 
 def both_ranks(names: list) -> dict:
-    folder = tempfile.mkdtemp()
-    init = "file://" + os.path.join(folder, "rendezvous")
-    outputs = [os.path.join(folder, f"rank{rank}.json") for rank in range(WORLD)]
     quiet()  # one thread before forking
     import torch.distributed  # noqa: F401  (what both ranks need, imported once, before the fork)
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    fork = multiprocessing.get_context("fork")
-    other = fork.Process(target=rank_main, args=(1, init, names, outputs[1]), daemon=True)
-    other.start()
-    try:
-        rank_main(0, init, names, outputs[0])
-    finally:
-        other.join(120)
-        if other.is_alive():
-            other.kill()
-    ranks = []
-    for path in outputs:
-        with open(path) as handle:
-            ranks.append(json.load(handle))
+    with tempfile.TemporaryDirectory() as folder:
+        init = "file://" + os.path.join(folder, "rendezvous")
+        outputs = [os.path.join(folder, f"rank{rank}.json") for rank in range(WORLD)]
+        other = multiprocessing.get_context("fork").Process(
+            target=rank_main, args=(1, init, names, outputs[1]), daemon=True
+        )
+        other.start()
+        try:
+            rank_main(0, init, names, outputs[0])
+        finally:
+            other.join(120)
+            if other.is_alive():
+                other.kill()
+        ranks = []
+        for path in outputs:
+            with open(path) as handle:
+                ranks.append(json.load(handle))
+    not_data = ("ok", "error", "seconds", "cpu")
     return {
         name: {
             "ok": all(r[name]["ok"] for r in ranks),
             "error": next((r[name]["error"] for r in ranks if r[name]["error"]), None),
-            "ranks": [{k: v for k, v in r[name].items() if k not in ("ok", "error", "seconds", "cpu")} for r in ranks],
+            "ranks": [{k: v for k, v in r[name].items() if k not in not_data} for r in ranks],
             "seconds": ranks[0][name]["seconds"],
             "cpu": ranks[0][name]["cpu"],
         }
