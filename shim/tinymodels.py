@@ -46,6 +46,44 @@ def tiny_llama(layers: int = 4, **overrides: Any) -> Any:
     return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers, **overrides))
 
 
+def tiny_qwen2(layers: int = 2) -> Any:
+    """A ``Qwen2ForCausalLM`` the size of :func:`tiny_llama` (q/k/v projections with biases)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def add_branch(model: Any, index: int = 1) -> Any:
+    """Give decoder layer ``index`` of a tiny decoder a trainable sub-module used on some calls only,
+    as routed or modality-specific blocks have: its MLP adds ``branch.extra(x)`` while
+    ``branch.active`` is true (it starts false). Returns the branch."""
+    import torch
+
+    class Branch(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self, base: Any, width: int) -> None:
+            super().__init__()
+            self.base = base
+            self.extra = torch.nn.Linear(width, width, bias=False)
+            self.active = False
+
+        def forward(self, x: Any) -> Any:
+            out = self.base(x)
+            return out + self.extra(x) if self.active else out
+
+    layer = model.model.layers[index]
+    layer.mlp = Branch(layer.mlp, model.config.hidden_size)
+    return layer.mlp
+
+
 def frozen_llama_class() -> type:
     """A Llama class whose ``__init__`` freezes the embeddings and the first decoder layer."""
     from transformers import LlamaForCausalLM

@@ -1,0 +1,161 @@
+"""``torch.compile`` on stock tiny decoders, and the two reentrant fixes compiled.
+
+Cases, ``python tests/workflows/compiled.py CASE ...``:
+
+- ``<model>/eval/<backend>``: ``torch.compile(model)``, an eval forward under ``no_grad``; its logits
+  against the uncompiled model's;
+- ``<model>/generate/<backend>``: ``model.forward = torch.compile(model.forward)``, greedy
+  ``generate()``; its tokens against the uncompiled ``generate()``'s;
+- ``<model>/train-<none|reentrant|non-reentrant>/<backend>``: two SGD steps of ``torch.compile(model)``
+  with that checkpointing; losses and gradients against two uncompiled steps without checkpointing;
+- ``fix-keyword/<backend>``: ``shim.tinysteps.keyword_driven_grads`` (decoder layers called with
+  ``hidden_states=``), reentrant checkpointing, every decoder layer compiled in place
+  (``layer.compile()``); gradients against the uncompiled run without checkpointing;
+- ``fix-frozen-input/<backend>``: ``shim.tinymodels.frozen_input_llama``, reentrant checkpointing,
+  ``torch.compile(model)``; gradients against the uncompiled run without checkpointing.
+
+``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
+``inductor``). "Against" means within ``RTOL``/``ATOL`` (``match``, with the names that do not in
+``wrong``); tokens must be equal. Every record also counts the graphs dynamo compiled and the graph
+breaks it took (``graphs``, ``breaks``): a layer the shim made untraceable runs, uncompiled, with
+correct results, and only these counts show it.
+
+Where the checkpoint call is inside the compiled code, upstream's reentrant checkpointing has
+neither bug the two reentrant patches fix (dynamo turns ``torch.utils.checkpoint`` into its own
+operator) and the ``fix-*`` cases match without the shim too; a layer compiled on its own before
+transformers 5.23 checkpoints in its ``__call__``, outside the compiled code, and shows the bug.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
+from shim import tinymodels, tinysteps
+from tests.workflows import digest, grads, input_ids, quiet, run_cases, weights
+
+RTOL, ATOL = 1e-5, 1e-6  # shim.tinysteps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
+MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: tinymodels.tiny_qwen2(2)}
+
+
+def build(model: str):
+    torch.manual_seed(0)
+    return MODELS[model]()
+
+
+def close(got, expected) -> bool:
+    return torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def evaluate(model: str, backend: str) -> dict:
+    net = build(model).eval()
+    ids = input_ids()
+    with torch.no_grad():
+        expected = net(ids).logits
+        got = torch.compile(net, backend=backend)(ids).logits
+    return {"logits": digest({"logits": got}), "match": close(got, expected)}
+
+
+def generate(model: str, backend: str) -> dict:
+    net = build(model).eval()
+    ids = input_ids()
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = net.generate(ids, **options)
+    net.forward = torch.compile(net.forward, backend=backend)
+    got = net.generate(ids, **options)
+    return {"tokens": got.tolist(), "match": torch.equal(got, expected)}
+
+
+def steps(model, forward, count: int = 2) -> tuple[list, list]:
+    """``count`` SGD steps of ``forward`` (the model or its compiled form): losses and gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = input_ids()
+    losses, gradients = [], []
+    for _ in range(count):
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append(grads(model))
+        optimizer.step()
+    return losses, gradients
+
+
+def train(model: str, checkpointing: str, backend: str) -> dict:
+    reference = build(model).train()
+    expected_losses, expected_grads = steps(reference, reference)
+    net = build(model).train()
+    if checkpointing != "none":
+        tinysteps.enable_checkpointing(net, {"use_reentrant": checkpointing == "reentrant"})
+    losses, gradients = steps(net, torch.compile(net, backend=backend))
+    wrong = sorted(
+        {name for got, expected in zip(gradients, expected_grads) for name in tinysteps.wrong_grads(expected, got)}
+    )
+    match = not wrong and all(close(got, expected) for got, expected in zip(losses, expected_losses))
+    return {
+        "losses": [loss.item() for loss in losses],
+        "grads": digest(gradients),
+        "weights": digest(weights(net)),
+        "match": match,
+        "wrong": wrong,
+    }
+
+
+def fix_keyword(backend: str) -> dict:
+    net = build("llama").train()
+    ids = input_ids()
+    expected = tinysteps.keyword_driven_grads(net, ids)
+    tinysteps.enable_checkpointing(net, {"use_reentrant": True})
+    for layer in net.model.layers:
+        layer.compile(backend=backend)
+    got = tinysteps.keyword_driven_grads(net, ids)
+    wrong = tinysteps.wrong_grads(expected, got)
+    return {"grads": digest(got), "match": not wrong, "wrong": wrong}
+
+
+def fix_frozen_input(backend: str) -> dict:
+    net, loss_of = tinymodels.frozen_input_llama(3)
+    expected = tinysteps.trainable_grads(net, loss_of)
+    tinysteps.enable_checkpointing(net, {"use_reentrant": True})
+    compiled = torch.compile(net, backend=backend)
+    got = tinysteps.trainable_grads(net, lambda _: loss_of(compiled))
+    wrong = tinysteps.wrong_grads(expected, got)
+    return {"grads": digest(got), "match": not wrong, "wrong": wrong}
+
+
+def counted(run):
+    """``run`` with dynamo's count of compiled graphs and graph breaks added to its record."""
+
+    def case() -> dict:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        record = run()
+        return {**record, "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+
+    return case
+
+
+def case(name: str):
+    return counted(plan(name))
+
+
+def plan(name: str):
+    parts = name.split("/")
+    if parts[0] == "fix-keyword":
+        return lambda: fix_keyword(parts[1])
+    if parts[0] == "fix-frozen-input":
+        return lambda: fix_frozen_input(parts[1])
+    model, kind, backend = parts
+    if kind == "eval":
+        return lambda: evaluate(model, backend)
+    if kind == "generate":
+        return lambda: generate(model, backend)
+    return lambda: train(model, kind.removeprefix("train-"), backend)
+
+
+if __name__ == "__main__":
+    quiet()
+    run_cases({name: case(name) for name in sys.argv[1:]}, sys.argv[1:])
