@@ -127,6 +127,77 @@ def lora_config(**overrides: Any) -> Any:
     return LoraConfig(**values)
 
 
+def dropout_llama(layers: int = 2, lora_dropout: float | None = 0.3, attention_dropout: float = 0.1) -> Any:
+    """A tiny Llama in training mode with dropout active: ``attention_dropout`` in every attention and,
+    unless ``lora_dropout`` is ``None``, a PEFT LoRA adapter (:func:`lora_config`) with that dropout.
+    Seeded: two builds have the same weights."""
+    import torch
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers, attention_dropout=attention_dropout)
+    if lora_dropout is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(lora_dropout=lora_dropout))
+    model.train()
+    return model
+
+
+def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[Any, Callable[[Any], Any]]:
+    """A torch-only stack of residual blocks (``Linear``, ``Dropout(p)``) in training mode, whose class
+    names its block class in ``_no_split_modules`` as a transformers model does (so accelerate's
+    transformer-based wrap policy finds the blocks), and ``loss_of(model)`` on a fixed input. Seeded."""
+    import torch
+
+    class DropoutBlock(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(width, width)
+            self.dropout = torch.nn.Dropout(p)
+
+        def forward(self, hidden: Any) -> Any:
+            return hidden + self.dropout(torch.tanh(self.linear(hidden)))
+
+    class DropoutStack(torch.nn.Module):  # type: ignore[misc]
+        _no_split_modules = ["DropoutBlock"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(DropoutBlock() for _ in range(blocks))
+
+        def forward(self, hidden: Any) -> Any:
+            for block in self.blocks:
+                hidden = block(hidden)
+            return hidden
+
+    torch.manual_seed(0)
+    model = DropoutStack()
+    model.train()
+    inputs = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(inputs).pow(2).mean()
+
+
+def fsdp2_accelerator(model: Any, offload: bool = False, layer_classes: list[str] | None = None) -> Any:
+    """What accelerate's ``fsdp2_apply_ac`` reads of an ``Accelerator``: ``state.fsdp_plugin``, a real
+    ``FullyShardedDataParallelPlugin`` (FSDP2, transformer-based wrap, activation checkpointing, with
+    ``activation_checkpointing_offload`` when ``offload``) whose auto-wrap policy is set for ``model``,
+    as ``Accelerator.prepare`` sets it. ``layer_classes`` replaces the model's ``_no_split_modules`` as
+    the classes to wrap. One process, no process group."""
+    import types
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    options: dict[str, Any] = dict(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    options |= dict(activation_checkpointing=True)
+    if offload:
+        options["activation_checkpointing_offload"] = True
+    plugin = FullyShardedDataParallelPlugin(**options)
+    if layer_classes is not None:
+        plugin.transformer_cls_names_to_wrap = layer_classes
+    plugin.set_auto_wrap_policy(model)
+    return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
+
+
 # -- steps ------------------------------------------------------------------------------------------
 
 
@@ -171,6 +242,18 @@ def trainable_grads(model: Any, loss_of: Callable[[Any], Any], seed: int = 1) ->
         for name, p in model.named_parameters()
         if p.requires_grad
     }
+
+
+def causal_lm_grads(model: Any, input_ids: Any, seed: int = 1) -> Grads:
+    """One backward of the language-modelling loss on ``input_ids``: the trainable parameters'
+    gradients, named as without torch's activation wrappers (``_checkpoint_wrapped_module.`` left out),
+    so a wrapped model compares with the same model unwrapped."""
+    return unwrapped_names(trainable_grads(model, lambda m: m(input_ids=input_ids, labels=input_ids).loss, seed))
+
+
+def unwrapped_names(grads: Grads) -> Grads:
+    """``grads`` named as without torch's activation wrappers (``_checkpoint_wrapped_module.`` left out)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): grad for name, grad in grads.items()}
 
 
 def wrong_grads(reference: Grads, grads: Grads, rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
