@@ -81,6 +81,13 @@ INDEX = (
         "modules": ("transformers.modeling_utils",),
     },
     {
+        "name": "fsdp2-checkpoint-rng-state",
+        "module": "fsdp2_checkpoint_rng_state",
+        "distribution": "accelerate",
+        "requires": ">=1.8",
+        "modules": ("accelerate.utils.fsdp_utils",),
+    },
+    {
         "name": "load-keeps-requires-grad",
         "module": "load_keeps_requires_grad",
         "distribution": "transformers",

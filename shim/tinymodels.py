@@ -196,3 +196,53 @@ def lora_config(**overrides: Any) -> Any:
     values: dict[str, Any] = dict(target_modules=["q_proj", "v_proj"], r=2, lora_alpha=4)
     values.update(overrides)
     return LoraConfig(**values)
+
+
+def dropout_llama(layers: int = 2, lora_dropout: float | None = 0.3, attention_dropout: float = 0.1) -> Any:
+    """A tiny Llama in training mode with dropout active: ``attention_dropout`` in every attention and,
+    unless ``lora_dropout`` is ``None``, a PEFT LoRA adapter (:func:`lora_config`) with that dropout.
+    Seeded: two builds have the same weights."""
+    import torch
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers, attention_dropout=attention_dropout)
+    if lora_dropout is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(lora_dropout=lora_dropout))
+    model.train()
+    return model
+
+
+def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[Any, Callable[[Any], Any]]:
+    """A torch-only stack of residual blocks (``Linear``, ``Dropout(p)``) in training mode, whose class
+    names its block class in ``_no_split_modules`` as a transformers model does (so accelerate's
+    transformer-based wrap policy finds the blocks), and ``loss_of(model)`` on a fixed input. Seeded."""
+    import torch
+
+    class DropoutBlock(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(width, width)
+            self.dropout = torch.nn.Dropout(p)
+
+        def forward(self, hidden: Any) -> Any:
+            return hidden + self.dropout(torch.tanh(self.linear(hidden)))
+
+    class DropoutStack(torch.nn.Module):  # type: ignore[misc]
+        _no_split_modules = ["DropoutBlock"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(DropoutBlock() for _ in range(blocks))
+
+        def forward(self, hidden: Any) -> Any:
+            for block in self.blocks:
+                hidden = block(hidden)
+            return hidden
+
+    torch.manual_seed(0)
+    model = DropoutStack()
+    model.train()
+    inputs = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(inputs).pow(2).mean()

@@ -131,3 +131,36 @@ def layer_finding_checkpoint(checkpoint: Callable[..., Any] | None = None) -> Ca
         return func(*args, **kwargs)
 
     return checkpoint_trainable_layers
+
+
+def causal_lm_grads(model: Any, input_ids: Any, seed: int = 1) -> Grads:
+    """One backward of the language-modelling loss on ``input_ids``: the trainable parameters'
+    gradients, named as without torch's activation wrappers (``_checkpoint_wrapped_module.`` left out),
+    so a wrapped model compares with the same model unwrapped."""
+    return unwrapped_names(trainable_grads(model, lambda m: m(input_ids=input_ids, labels=input_ids).loss, seed))
+
+
+def unwrapped_names(grads: Grads) -> Grads:
+    """``grads`` named as without torch's activation wrappers (``_checkpoint_wrapped_module.`` left out)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): grad for name, grad in grads.items()}
+
+
+def fsdp2_accelerator(model: Any, offload: bool = False, layer_classes: list[str] | None = None) -> Any:
+    """What accelerate's ``fsdp2_apply_ac`` reads of an ``Accelerator``: ``state.fsdp_plugin``, a real
+    ``FullyShardedDataParallelPlugin`` (FSDP2, transformer-based wrap, activation checkpointing, with
+    ``activation_checkpointing_offload`` when ``offload``) whose auto-wrap policy is set for ``model``,
+    as ``Accelerator.prepare`` sets it. ``layer_classes`` replaces the model's ``_no_split_modules`` as
+    the classes to wrap. One process, no process group."""
+    import types
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    options: dict[str, Any] = dict(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    options |= dict(activation_checkpointing=True)
+    if offload:
+        options["activation_checkpointing_offload"] = True
+    plugin = FullyShardedDataParallelPlugin(**options)
+    if layer_classes is not None:
+        plugin.transformer_cls_names_to_wrap = layer_classes
+    plugin.set_auto_wrap_policy(model)
+    return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))

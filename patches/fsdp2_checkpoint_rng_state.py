@@ -1,0 +1,119 @@
+"""``fsdp2-checkpoint-rng-state``: FSDP2 activation checkpointing recomputes with the forward's RNG state.
+
+Symptom (silent): with FSDP2 and ``activation_checkpointing`` (accelerate's ``fsdp2_apply_ac``, which
+transformers' Trainer and ``Accelerator.prepare`` run), every wrapped layer checkpoints with
+``preserve_rng_state=False``. With any dropout active (LoRA's ``lora_dropout``, ``attention_dropout``)
+the recomputation in backward draws other masks than the forward that gave the loss: the gradients
+belong to a forward that never happened, and the recompute moves the RNG stream on. Nothing raises.
+
+Fix: ``fsdp2_apply_ac`` is wrapped. After upstream has wrapped the layers, each ``CheckpointWrapper``
+that call created (also inside an ``offload_wrapper``) gets its checkpoint function back with
+``preserve_rng_state=True``, the rest of it as upstream built it; wrappers that were there before
+are left alone. Modules that imported the name early are rebound (``consumers``).
+
+Limits: only layers wrapped by ``fsdp2_apply_ac``; FSDP1 and transformers' own checkpointing already
+preserve the RNG state. The layer calls pay torch's cost of keeping the state (docs/performance.md).
+
+Full story, versions measured and references: docs/bugs.md#fsdp2-checkpoint-rng-state
+"""
+
+from __future__ import annotations
+
+import functools
+
+from shim import Patch, Target, record_effect
+
+from ._arguments import argument, leading_parameters
+
+NAME = "fsdp2-checkpoint-rng-state"
+WRAPPERS = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def _checkpoint_wrappers(model, kind) -> list:
+    return [module for module in model.modules() if isinstance(module, kind)]
+
+
+def _fsdp2_apply_ac(wrapped, instance, args, kwargs):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.nn import Module
+
+    model = argument(args, kwargs, 1, "model", None)
+    # Kept (not only their ids) so that none is freed and its id reused by a wrapper of this call.
+    before = _checkpoint_wrappers(model, CheckpointWrapper) if isinstance(model, Module) else []
+    result = wrapped(*args, **kwargs)
+    root = result if isinstance(result, Module) else model
+    if not isinstance(root, Module):
+        return result
+    existing = {id(module) for module in before}
+    fixed = 0
+    for module in _checkpoint_wrappers(root, CheckpointWrapper):
+        function = module.checkpoint_fn
+        if (
+            id(module) in existing
+            or type(function) is not functools.partial
+            or function.keywords.get("preserve_rng_state") is not False
+        ):
+            continue
+        keywords = {**function.keywords, "preserve_rng_state": True}
+        module.checkpoint_fn = functools.partial(function.func, *function.args, **keywords)
+        fixed += 1
+    if fixed:
+        record_effect(
+            NAME,
+            "accelerate's fsdp2_apply_ac wrapped %d layer(s) of %s to checkpoint with preserve_rng_state=False "
+            "(the recompute draws other dropout masks than the forward); the shim made them preserve the RNG state",
+            fixed, type(root).__name__,
+        )  # fmt: skip
+    return result
+
+
+def _probe(original) -> str | None:
+    """Upstream must still build torch's ``checkpoint_wrapper`` with ``preserve_rng_state`` given."""
+    reason = leading_parameters(original, ("accelerator", "model"))
+    if reason:
+        return reason
+    code = getattr(original, "__code__", None)
+    names = getattr(code, "co_names", ())
+    if WRAPPERS not in names or "checkpoint_wrapper" not in names:
+        return "fsdp2_apply_ac no longer wraps layers with torch's checkpoint_wrapper"
+    keywords = {name for const in getattr(code, "co_consts", ()) if isinstance(const, tuple) for name in const}
+    if "preserve_rng_state" not in keywords:
+        return "fsdp2_apply_ac no longer passes preserve_rng_state to checkpoint_wrapper"
+    return None
+
+
+# -- self-check (python -m shim doctor) ------------------------------------------------------------
+
+
+def _self_check() -> bool:
+    """True when a torch-only stack of blocks with dropout, its blocks wrapped by accelerate's
+    ``fsdp2_apply_ac`` (a stand-in accelerator, one process), gets other gradients than unwrapped.
+    Releases without ``fsdp2_apply_ac`` wrap FSDP2 layers with torch's default (the RNG state kept)."""
+    from accelerate.utils import fsdp_utils
+
+    from shim.tinymodels import dropout_blocks
+    from shim.tinysteps import fsdp2_accelerator, trainable_grads, unwrapped_names, wrong_grads
+
+    if not hasattr(fsdp_utils, "fsdp2_apply_ac"):  # before FSDP2 had its own activation checkpointing
+        return False
+    model, loss_of = dropout_blocks()
+    reference = trainable_grads(model, loss_of)
+    model = fsdp_utils.fsdp2_apply_ac(fsdp2_accelerator(model), model)
+    return bool(wrong_grads(reference, unwrapped_names(trainable_grads(model, loss_of))))
+
+
+PATCH = Patch(
+    name=NAME,
+    summary="FSDP2 activation checkpointing (accelerate) recomputes layers with the forward's RNG state.",
+    distribution="accelerate",
+    requires=">=1.8",
+    targets=(Target("accelerate.utils.fsdp_utils:fsdp2_apply_ac", _fsdp2_apply_ac, probe=_probe),),
+    references=(
+        "docs/bugs.md#fsdp2-checkpoint-rng-state",
+        "huggingface/accelerate#4172",
+        "allenai/OLMo-core#828",
+        "pytorch/torchtitan#1323",
+    ),
+    consumers=("accelerate.*",),
+    self_check=_self_check,
+)
