@@ -114,6 +114,7 @@ def assert_same(off: dict, on: dict, cases: list) -> None:
 # -- 1: everyday workflows ------------------------------------------------------------------------
 
 EVERYDAY = ["generate", "save-load", "copy-pickle", "branch-trainable", "branch-frozen", "trainer-model-init"]
+EVERYDAY += ["own-checkpoint-function", "replaced-forward", "fsdp2-activation-checkpointing"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

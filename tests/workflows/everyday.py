@@ -16,6 +16,12 @@
   layer 1's inputs require no grad and, on steps where the branch is off, nothing in it trains).
 - ``trainer-model-init``: ``Trainer(model_init=...)`` builds the model and trains two steps: losses and
   the final weights.
+- ``own-checkpoint-function``: checkpointing enabled through ``_set_gradient_checkpointing`` with a
+  function of one's own that does not look for its layer (reentrant and not): one training step.
+- ``replaced-forward``: a decoder-layer class whose ``forward`` was replaced by a function calling the
+  original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
+- ``fsdp2-activation-checkpointing``: accelerate's ``fsdp2_apply_ac`` (one process, a stand-in
+  accelerator) on a Llama without dropout: one training step.
 """
 
 from __future__ import annotations
@@ -101,14 +107,22 @@ def save_load() -> dict:
 
 
 def checkpointing_of(model) -> list:
+    """Each layer's flag and what its checkpoint function calls: the function under any partials (a
+    subclass of one too), with the arguments and keywords they bind; a plain function binds none."""
     described = []
     for layer in model.model.layers:
-        function = getattr(layer, "_gradient_checkpointing_func", None)
-        if isinstance(function, functools.partial):  # also a subclass of it: what it binds is what counts
-            function = [getattr(function.func, "__qualname__", "?"), repr(function.args), repr(function.keywords)]
-        else:
-            function = getattr(function, "__qualname__", repr(function))
-        described.append([layer.gradient_checkpointing, function])
+        function, args, keywords = getattr(layer, "_gradient_checkpointing_func", None), (), {}
+        while isinstance(function, functools.partial):
+            args, keywords = function.args + args, {**function.keywords, **keywords}
+            function = function.func
+        described.append(
+            [
+                layer.gradient_checkpointing,
+                getattr(function, "__qualname__", repr(function)),
+                repr(args),
+                repr(keywords),
+            ]
+        )
     return described
 
 
@@ -223,6 +237,49 @@ def trainer_model_init() -> dict:
     return {"losses": losses, "weights": digest(weights(trainer.model))}
 
 
+def own_checkpoint_function() -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    def mine(function, *args, **kwargs):  # a function of one's own that never looks for its layer
+        return checkpoint(function, *args, use_reentrant=reentrant, **kwargs)
+
+    records = {}
+    for reentrant in (True, False):
+        model = llama(3)
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=mine)
+        records[f"use_reentrant={reentrant}"] = one_step(model)
+    return records
+
+
+def replaced_forward() -> dict:
+    from transformers.models.llama import modeling_llama
+
+    cls = modeling_llama.LlamaDecoderLayer
+    saved, original = vars(cls)["forward"], cls.forward
+    cls.forward = lambda self, *args, **kwargs: original(self, *args, **kwargs)
+    try:
+        model = llama(3)
+        tinysteps.enable_checkpointing(model, {"use_reentrant": False})
+        with torch.no_grad():
+            logits = model.eval()(input_ids()).logits
+        record = one_step(model)
+    finally:
+        cls.forward = saved
+    return {
+        "eval logits": digest({"logits": logits}),
+        "step": {k: v for k, v in record.items() if k != "checkpointing"},
+    }
+
+
+def fsdp2_activation_checkpointing() -> dict:
+    from accelerate.utils import fsdp_utils
+
+    model = llama(2)
+    model = fsdp_utils.fsdp2_apply_ac(tinysteps.fsdp2_accelerator(model), model)
+    record = one_step(model)
+    return {"loss": record["loss"], "grads": record["grads"]}
+
+
 CASES = {
     "generate": generate,
     "save-load": save_load,
@@ -230,6 +287,9 @@ CASES = {
     "branch-trainable": lambda: branch_case(frozen=False),
     "branch-frozen": lambda: branch_case(frozen=True),
     "trainer-model-init": trainer_model_init,
+    "own-checkpoint-function": own_checkpoint_function,
+    "replaced-forward": replaced_forward,
+    "fsdp2-activation-checkpointing": fsdp2_activation_checkpointing,
 }
 
 if __name__ == "__main__":
