@@ -91,7 +91,7 @@ make_venv() {
     if [ -n "$SHIM_UV" ]; then
         "$SHIM_UV" venv -q --seed --clear --python "$(python3 -c 'import sys; print(sys.executable)')" "$venv"
     else
-        python3 -m venv --clear "$venv"
+        python3 -m venv "$venv"
     fi
 }
 
