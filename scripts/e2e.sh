@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
 # End-to-end tests (tests/e2e): DeepSpeed ZeRO-3 and DDP on two CPU ranks, real trl trainers, shim-run, each
-# run with the shim (or one patch) switched off (the bug) and on (the fix). Two environments, each created
-# once: .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test) and .venvs/e2e-ds0.19.3
+# run with the shim (or one patch) switched off (the bug) and on (the fix). Two environments, each built
+# with uv like .venv (scripts/_venv.sh; left as they are while their constraints and the scripts are
+# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test) and .venvs/e2e-ds0.19.3
 # (constraints/e2e-ds0.19.3.txt: the ZeRO-3 tests again, where DeepSpeed has its own fixes).
 # Usage: bash scripts/e2e.sh [pytest args]      (E2E_VENV=path to use another venv for the first one)
+#   E2E_ONLY_SETUP=1: build the two environments and run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_venv.sh
 
-run_cell() {  # run_cell VENV CONSTRAINTS PYTEST-ARGS...
-    local venv=$1 constraints=$2
-    shift 2
-    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    # torch first and exactly 2.13.0, so nothing later pulls a CUDA build.
-    "$venv/bin/python" -m pip install -q torch==2.13.0
-    # DS_BUILD_OPS=0: no DeepSpeed op is compiled at install; the CPU comm op is JIT-built on first use.
-    DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q -e . \
-        deepspeed trl transformers peft accelerate datasets tokenizers pytest -c "$constraints"
-    "$venv/bin/python" -c "import deepspeed, torch, transformers, trl; print('e2e: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
-    # The JIT-built op lives with the venv: built once per venv, nothing written to $HOME.
-    TORCH_EXTENSIONS_DIR="$(cd "$venv" && pwd)/torch_extensions" \
-        timeout -k 30 1500 "$venv/bin/python" -m pytest -m e2e "$@"
+venv_tool
+
+build_cell() {  # build_cell VENV CONSTRAINTS
+    local venv=$1 constraints=$2 stamp
+    stamp=$(venv_stamp "$constraints" pyproject.toml scripts/e2e.sh scripts/_venv.sh scripts/pipconf.py)
+    if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_BUILD" ]; then
+        return 0
+    fi
+    make_venv "$venv"
+    install_torch "$venv" "$constraints"
+    # DeepSpeed is an sdist whose setup imports torch: it is built against the torch installed above
+    # (no isolated build environment, which would pull a torch of its own). DS_BUILD_OPS=0: no op is
+    # compiled at install; the CPU comm op is JIT-built on first use.
+    local isolation=(--no-build-isolation-package deepspeed)
+    [ -n "$SHIM_UV" ] || isolation=()  # pip: as before, an isolated build (it downloads a torch for it)
+    DS_BUILD_OPS=0 venv_install "$venv" "${isolation[@]}" -e . \
+        deepspeed trl transformers peft accelerate datasets tokenizers pytest pytest-xdist -c "$constraints"
+    check_torch "$venv"
+    venv_done "$venv" "$stamp"
 }
 
-run_cell "${E2E_VENV:-.venvs/e2e}" constraints/e2e.txt tests/e2e "$@"
-run_cell .venvs/e2e-ds0.19.3 constraints/e2e-ds0.19.3.txt tests/e2e -k zero3 "$@"
+run_cell() {  # run_cell VENV PYTEST-ARGS...
+    local venv=$1
+    shift
+    "$venv/bin/python" -c "import deepspeed, torch, transformers, trl; print('e2e: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+    # The JIT-built op lives with the venv: built once per venv, nothing written to $HOME.
+    # -n 0: the runs are two-rank jobs with timeouts of their own, one at a time.
+    TORCH_EXTENSIONS_DIR="$(cd "$venv" && pwd)/torch_extensions" \
+        timeout -k 30 1500 "$venv/bin/python" -m pytest -m e2e -n 0 "$@"
+}
+
+first=${E2E_VENV:-.venvs/e2e}
+build_cell "$first" constraints/e2e.txt
+build_cell .venvs/e2e-ds0.19.3 constraints/e2e-ds0.19.3.txt
+[ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0
+run_cell "$first" tests/e2e "$@"
+run_cell .venvs/e2e-ds0.19.3 tests/e2e -k zero3 "$@"

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# Create .venv (once) with torch 2.13.0 CPU first, then the shim and its test extras, pinned.
+# Create or update .venv: torch 2.13.0 CPU first, then the shim (editable) and its test extras, pinned.
 # Usage: bash scripts/setup.sh [constraints-file]   (default: constraints/default.txt)
+#   SHIM_VENV=path     another environment (the matrix builds its cells so)
+#   SHIM_COMPILE=0     no bytecode compiled at install (the matrix's doctor-only cells: one process each)
+#   SHIM_USE_PIP=1     build with pip instead of uv
+# Built with uv (scripts/_venv.sh). An environment already built from the same constraints,
+# pyproject.toml, scripts and pip configuration is left as it is: the command then takes a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/_venv.sh
 constraints=${1:-constraints/default.txt}
 venv=${SHIM_VENV:-.venv}
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-# torch first and exactly 2.13.0, so nothing later pulls a CUDA build.
-"$venv/bin/python" -m pip install -q torch==2.13.0
-"$venv/bin/python" -m pip install -q -e ".[test]" -c "$constraints"
-"$venv/bin/python" -c "import torch, transformers, trl; print('torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+
+summary() {  # one line: what the environment has (the matrix prints a cell's last setup line)
+    "$venv/bin/python" -c "import importlib.metadata as m
+print(' | '.join(f'{d} {m.version(d)}' for d in ('torch', 'transformers', 'trl', 'peft')))"
+}
+
+venv_tool
+stamp=$(venv_stamp "$constraints" pyproject.toml scripts/setup.sh scripts/_venv.sh scripts/pipconf.py)
+if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_BUILD" ]; then
+    echo "$venv is up to date: $(summary)"
+    exit 0
+fi
+make_venv "$venv"
+install_torch "$venv" "$constraints"
+venv_install "$venv" -e ".[test]" -c "$constraints"
+check_torch "$venv"
+venv_done "$venv" "$stamp"
+summary

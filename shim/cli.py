@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     _common(doctor)
+    doctor.add_argument(
+        "--json-file",
+        metavar="PATH",
+        help="also write the JSON records to PATH (the table or --json is printed as usual)",
+    )
     explain = commands.add_parser(
         "explain",
         help="the story of a patch's bug: symptom, versions measured, the fix, its limits",
@@ -129,8 +134,12 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
 
     quiet_transformers()
     findings = doctor.run(shim.registry)
+    records = json.dumps([finding.as_dict() for finding in findings], indent=2)
+    if args.json_file:
+        with open(args.json_file, "w", encoding="utf-8") as file:
+            file.write(records + "\n")
     if args.json:
-        print(json.dumps([finding.as_dict() for finding in findings], indent=2))
+        print(records)
     else:
         rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
         print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))

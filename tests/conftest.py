@@ -12,6 +12,17 @@ import shim  # noqa: F401  (the shim is active for every in-process test, as for
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
 
+#: The files that run first, in this order. test_catalogue.py compares a fresh interpreter's patch
+#: states with this process's, so it must come before any file that imports more target modules
+#: (transformers.trainer); test_reliability.py is the longest file, so under pytest-xdist (two
+#: workers, a file per worker, in this order: --no-loadscope-reorder) it starts at once on the other.
+FIRST = ("test_catalogue.py", "test_reliability.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
 
 @pytest.fixture
 def fake_modules(tmp_path, monkeypatch):

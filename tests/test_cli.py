@@ -11,6 +11,11 @@ from shim import patches as catalogue
 from shim.cli import WIDTH, status_table
 from tests.conftest import ROOT, run_python
 
+# The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
+# the version matrix's other cells deselect it (scripts/matrix.py).
+pytestmark = pytest.mark.any_version
+
+
 ENVIRONMENT = ("SHIM_DISABLE", "SHIM_FORCE", "SHIM_STRICT", "SHIM_LOG_LEVEL", "SHIM_REPORT")
 
 
@@ -74,3 +79,14 @@ def test_without_the_libraries_the_patches_are_for_the_cli_shows_not_installed_a
     else:
         assert all(row.split()[1:3] == ["skipped", "-"] for row in rows)
         assert result.stdout.count("is not installed") == len(rows)
+
+
+def test_doctor_json_file_holds_the_records_of_doctor_json_beside_the_printed_table(tmp_path):
+    path = tmp_path / "findings.json"
+    table = run_python(BLOCKED.format(args=["doctor", "--json-file", str(path)])).stdout
+    printed = run_python(BLOCKED.format(args=["doctor", "--json"])).stdout
+    assert json.loads(path.read_text()) == json.loads(printed)
+    assert [record["name"] for record in json.loads(printed)] == [row[0] for row in catalogue.INDEX]
+    header = table.splitlines()[0].split()
+    assert header[:2] == ["patch", "installed"] and header[-1] == "verdict"
+    assert table == run_python(BLOCKED.format(args=["doctor"])).stdout  # the table as doctor prints it

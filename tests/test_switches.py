@@ -9,6 +9,10 @@ from shim import APPLIED, DISABLED, SKIPPED, Registry, ShimWarning, settings
 from tests.conftest import run_python
 from tests.test_engine import TARGET, make_patch, state
 
+# The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
+# the version matrix's other cells deselect it (scripts/matrix.py).
+pytestmark = pytest.mark.any_version
+
 
 @pytest.fixture(autouse=True)
 def fresh_environment(monkeypatch):

@@ -1,0 +1,156 @@
+# shellcheck shell=bash
+# How the project builds its virtual environments; sourced (from the repository root) by
+# scripts/setup.sh, scripts/e2e.sh and scripts/lint.sh.
+#
+# uv 0.13.8 builds them: it is taken from PATH when that is exactly 0.13.8, else installed once into
+# .venvs/_uv (pip install --target, a few seconds). Its cache is .venvs/_uv-cache, on the venvs'
+# own filesystem, so every environment hard-links the same files instead of copying them. uv reads
+# no pip configuration: scripts/pipconf.py asks pip for it (find-links, indexes, constraints,
+# certificate) and passes it on, so uv installs from where pip would. Where uv cannot be had (or
+# SHIM_USE_PIP=1), pip does the same work, slower.
+#
+# torch: 2.13.0, the CPU build, is installed first into each environment and then left alone
+# (everything later is resolved around the installed torch); an environment whose torch would not
+# be 2.13.0+cpu stops the build before anything is installed, never a CUDA build of several GB.
+
+SHIM_UV_VERSION=0.13.8
+SHIM_TORCH=torch==2.13.0
+SHIM_TORCH_BUILD=2.13.0+cpu
+
+_uv_is_pinned() {  # _uv_is_pinned PATH: is PATH an executable uv of the pinned version?
+    [ -n "$1" ] && [ -x "$1" ] && [ "$("$1" --version 2>/dev/null | cut -d' ' -f1-2)" = "uv $SHIM_UV_VERSION" ]
+}
+
+_locked() {  # _locked LOCKFILE COMMAND...: run COMMAND holding LOCKFILE (matrix cells build side by side)
+    local lock=$1
+    shift
+    if command -v flock >/dev/null; then
+        (flock 9 && "$@") 9>"$lock"
+    else
+        "$@"
+    fi
+}
+
+_install_uv() {
+    _uv_is_pinned .venvs/_uv/bin/uv && return 0
+    rm -rf .venvs/_uv.new
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check \
+        --target .venvs/_uv.new "uv==$SHIM_UV_VERSION" && rm -rf .venvs/_uv && mv .venvs/_uv.new .venvs/_uv
+}
+
+# venv_tool: find uv (SHIM_UV, empty: pip), read pip's configuration (PIP_UV_ARGS, SHIM_PIPCONF).
+venv_tool() {
+    SHIM_UV=""
+    mkdir -p .venvs
+    if [ "${SHIM_USE_PIP:-}" != 1 ]; then
+        local found
+        found=$(command -v uv 2>/dev/null || true)
+        if _uv_is_pinned "$found"; then
+            SHIM_UV=$found
+        else
+            _uv_is_pinned .venvs/_uv/bin/uv || _locked .venvs/.uv.lock _install_uv || true
+            if _uv_is_pinned .venvs/_uv/bin/uv; then
+                SHIM_UV=$PWD/.venvs/_uv/bin/uv
+            else
+                echo "uv $SHIM_UV_VERSION could not be installed: building with pip instead" >&2
+            fi
+        fi
+    fi
+    SHIM_PIPCONF=$(python3 scripts/pipconf.py)
+    PIP_UV_ARGS=()
+    eval "$SHIM_PIPCONF"
+    export UV_CACHE_DIR="$PWD/.venvs/_uv-cache" UV_LINK_MODE=hardlink UV_PYTHON_DOWNLOADS=never UV_NO_PROGRESS=1
+}
+
+# venv_stamp FILE...: one line that changes whenever what decides an environment's content does
+# (the files given, the tool and its version, pip's configuration, the interpreter).
+venv_stamp() {
+    {
+        cat "$@"
+        if [ -n "$SHIM_UV" ]; then echo "uv $SHIM_UV_VERSION"; else echo pip; fi
+        echo "compile=${SHIM_COMPILE:-1}"
+        echo "$SHIM_PIPCONF"
+        python3 -c 'import sys; print(sys.version)'
+    } | sha256sum | cut -d' ' -f1
+}
+
+# venv_is_current VENV STAMP: VENV exists and was last built to STAMP.
+venv_is_current() {
+    [ -x "$1/bin/python" ] && [ "$(cat "$1/.shim-stamp" 2>/dev/null)" = "$2" ]
+}
+
+venv_done() {  # venv_done VENV STAMP
+    echo "$2" >"$1/.shim-stamp"
+}
+
+# make_venv VENV: create it (with pip in it: a test builds the wheel with `pip wheel`) unless it has a python.
+make_venv() {
+    local venv=$1
+    [ -x "$venv/bin/python" ] && return 0
+    rm -f "$venv/.shim-stamp"
+    if [ -n "$SHIM_UV" ]; then
+        "$SHIM_UV" venv -q --seed --clear --python "$(python3 -c 'import sys; print(sys.executable)')" "$venv"
+    else
+        python3 -m venv "$venv"
+    fi
+}
+
+_compile() {  # _compile YES NO: YES unless SHIM_COMPILE=0
+    if [ "${SHIM_COMPILE:-1}" = 0 ]; then echo "$2"; else echo "$1"; fi
+}
+
+# venv_install VENV ARGS...: install into VENV with pip's configuration, the bytecode compiled at
+# install (SHIM_COMPILE=0: not): where PYTHONDONTWRITEBYTECODE=1 is set, every fresh interpreter
+# would otherwise compile transformers again, for each of the suite's many subprocesses.
+venv_install() {
+    local venv=$1
+    shift
+    if [ -n "$SHIM_UV" ]; then
+        "$SHIM_UV" pip install --python "$venv/bin/python" ${PIP_UV_ARGS[@]+"${PIP_UV_ARGS[@]}"} \
+            --index-strategy unsafe-best-match "$(_compile --compile-bytecode --no-compile-bytecode)" "$@"
+    else
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check "$(_compile --compile --no-compile)" "$@"
+    fi
+}
+
+_torch_of() {  # _torch_of VENV: the installed torch's version, empty if none
+    "$1/bin/python" -c 'import importlib.metadata as m
+try:
+    print(m.version("torch"))
+except m.PackageNotFoundError:
+    pass'
+}
+
+# install_torch VENV CONSTRAINTS: torch 2.13.0, the CPU build, first; stops, having installed
+# nothing, if the torch installed there or the one that would be installed is any other build.
+install_torch() {
+    local venv=$1 constraints=$2 have plan
+    have=$(_torch_of "$venv")
+    if [ -n "$have" ] && [ "$have" != "$SHIM_TORCH_BUILD" ]; then
+        echo "$venv has torch $have, not $SHIM_TORCH_BUILD: remove $venv and run this again" >&2
+        return 1
+    fi
+    [ -n "$have" ] && return 0
+    if [ -n "$SHIM_UV" ]; then
+        plan=$("$SHIM_UV" pip install --dry-run --python "$venv/bin/python" ${PIP_UV_ARGS[@]+"${PIP_UV_ARGS[@]}"} \
+            --index-strategy unsafe-best-match "$SHIM_TORCH" -c "$constraints" 2>&1) || {
+            echo "$plan" >&2
+            return 1
+        }
+        if ! grep -q "^ + torch==$SHIM_TORCH_BUILD\$" <<<"$plan"; then
+            echo "$plan" >&2
+            echo "$SHIM_TORCH would not install the CPU build $SHIM_TORCH_BUILD here (see above), so nothing was" \
+                "installed: give pip the folder or index that has it (find-links or extra-index-url in pip's" \
+                "configuration; PyTorch's CPU wheels are on its index .../whl/cpu)" >&2
+            return 1
+        fi
+    fi
+    # No bytecode yet: the next install compiles the whole environment, torch included.
+    SHIM_COMPILE=0 venv_install "$venv" "$SHIM_TORCH" -c "$constraints"
+}
+
+check_torch() {  # check_torch VENV: the torch that imports there is 2.13.0+cpu
+    "$1/bin/python" -W ignore -c "import sys, torch
+sys.exit(None if torch.__version__ == '$SHIM_TORCH_BUILD' else
+         f'{sys.prefix} has torch {torch.__version__}, not $SHIM_TORCH_BUILD: remove it and set it up again')"
+}

@@ -1,0 +1,74 @@
+"""The scripts that build the environments: pip's configuration reaches uv (scripts/pipconf.py)."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.any_version
+
+spec = importlib.util.spec_from_file_location("shim_pipconf", ROOT / "scripts" / "pipconf.py")
+pipconf = importlib.util.module_from_spec(spec)
+sys.modules["shim_pipconf"] = pipconf
+spec.loader.exec_module(pipconf)
+
+# What `pip config list` prints: files' sections and the PIP_* variables (":env:"), values repr'd.
+LISTING = """\
+:env:.cert='/etc/ssl/ca.pem'
+:env:.disable-pip-version-check='1'
+:env:.find-links='/srv/wheels'
+global.cert='/etc/other.pem'
+global.constraint='/etc/pip/constraints.txt'
+global.default-timeout='180'
+global.extra-index-url='file:///srv/a/simple https://mirror.example/simple'
+global.find-links='/srv/old /srv/older'
+global.index-url='https://ignored.example/simple'
+global.no-index='no'
+global.pre='true'
+global.trusted_host='mirror.example'
+install.index-url='https://index.example/simple'
+"""
+
+
+def test_pip_configuration_becomes_uv_arguments_with_pips_precedence():
+    args, env, left = pipconf.uv_settings(pipconf.parse(LISTING))
+    assert sorted(zip(args[::2], args[1::2])) == sorted(
+        [
+            ("--find-links", "/srv/wheels"),  # PIP_FIND_LINKS wins over the files, as in pip
+            ("--constraints", "/etc/pip/constraints.txt"),
+            ("--extra-index-url", "file:///srv/a/simple"),
+            ("--extra-index-url", "https://mirror.example/simple"),
+            ("--index-url", "https://index.example/simple"),  # [install] wins over [global]
+            ("--allow-insecure-host", "mirror.example"),
+        ]
+    )
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/ca.pem", "UV_HTTP_TIMEOUT": "180"}
+    assert left == ["pre"]  # said on stderr: a pip option that changes what installs and is not passed on
+
+
+def test_no_index_is_passed_on_only_when_pip_has_it_on():
+    assert pipconf.uv_settings(pipconf.parse("global.no-index='yes'\n"))[0] == ["--no-index"]
+    assert pipconf.uv_settings(pipconf.parse("global.no-index='off'\n"))[0] == []
+    assert pipconf.uv_settings(pipconf.parse(""))[:2] == ([], {})
+
+
+def test_the_bash_it_prints_keeps_spaces_and_quotes():
+    text = pipconf.bash(["--find-links", "/a b/it's"], {"SSL_CERT_FILE": "/c d"})
+    shown = subprocess.run(
+        ["bash", "-c", text + '\nprintf "%s\\n" "${PIP_UV_ARGS[@]}" "$SSL_CERT_FILE"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout.splitlines() == ["--find-links", "/a b/it's", "/c d"]
+
+
+def test_it_asks_pip_itself():
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pipconf.py")], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed.startswith("PIP_UV_ARGS=(")  # whatever this machine's pip has: bash that evaluates
+    subprocess.run(["bash", "-euc", printed + '\n: "${PIP_UV_ARGS[@]+x}"'], check=True)
