@@ -15,8 +15,9 @@ _counter = itertools.count()
 #: The files that run first, in this order. test_catalogue.py compares a fresh interpreter's patch
 #: states with this process's, so it must come before any file that imports more target modules
 #: (transformers.trainer); test_reliability.py is the longest file, so under pytest-xdist (two
-#: workers, a file per worker, in this order: --no-loadscope-reorder) it starts at once on the other.
-FIRST = ("test_catalogue.py", "test_reliability.py")
+#: workers, a file per worker, in this order: --no-loadscope-reorder) it starts at once on the other,
+#: and test_do_no_harm.py, the next longest, follows test_catalogue.py on the first.
+FIRST = ("test_catalogue.py", "test_reliability.py", "test_do_no_harm.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -3,7 +3,11 @@ import circle, and patches that use only the engine's public API."""
 
 import ast
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.any_version  # the code as it is, whatever is installed
 
 ENGINE = ROOT / "shim"
 #: What a patch module may import of the engine: the package's API (Patch, Target, record_effect,
