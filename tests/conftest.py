@@ -12,12 +12,9 @@ import shim  # noqa: F401  (the shim is active for every in-process test, as for
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
 
-#: The files that run first, in this order. test_catalogue.py compares a fresh interpreter's patch
-#: states with this process's, so it must come before any file that imports more target modules
-#: (transformers.trainer); test_reliability.py is the longest file, so under pytest-xdist (two
-#: workers, a file per worker, in this order: --no-loadscope-reorder) it starts at once on the other,
-#: and test_do_no_harm.py, the next longest, follows test_catalogue.py on the first.
-FIRST = ("test_catalogue.py", "test_reliability.py", "test_do_no_harm.py")
+#: The files that run first, in this order: the two longest, so that under pytest-xdist (two workers,
+#: a file per worker, in this order: --no-loadscope-reorder) each starts at once on its own worker.
+FIRST = ("test_reliability.py", "test_do_no_harm.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -98,19 +98,20 @@ TARGETS = (
     "trl.models.utils",
 )
 USER_SCRIPT = (
-    f"TARGETS = {TARGETS!r}\n"
+    f"TARGETS = {TARGETS!r}\nMINE = {{mine}}\n"
     + """
 import json, sys, warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as caught:
-    import patches  # the project's own module, beside this script
+    if MINE:
+        import patches  # the project's own module, beside this script
     import shim
     import importlib, importlib.util
     for name in TARGETS:
         if importlib.util.find_spec(name) is not None:  # core_model_loading exists from transformers 5.0
             importlib.import_module(name)
 print(json.dumps({
-    "user_patches": patches.__file__,
+    "user_patches": patches.__file__ if MINE else None,
     "catalogue": shim.patches.__name__,
     "states": {s.name: s.state for s in shim.status()},
     "warnings": [str(w.message) for w in caught if "shim" in str(w.filename) or issubclass(w.category, shim.ShimWarning)],
@@ -126,21 +127,23 @@ def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, 
         (tmp_path / "patches" / "__init__.py").write_text("MINE = True\n")
     else:
         (tmp_path / "patches.py").write_text("MINE = True\n")
-    (tmp_path / "train.py").write_text(USER_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+
+    def run(folder, mine: bool) -> dict:
+        (folder / "train.py").write_text(USER_SCRIPT.replace("{mine}", str(mine)))
+        result = subprocess.run(
+            [sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    out = run(tmp_path, mine=True)
     assert Path(out["user_patches"]).resolve().parent in (tmp_path.resolve(), (tmp_path / "patches").resolve())
     assert out["catalogue"] == "shim.patches"
     assert out["warnings"] == []
-    # The same states as in this process, where the same modules are imported and no patches/ exists.
-    for name in TARGETS:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-    expected = {s.name: s.state for s in shim.status() if s.name in out["states"]}
+    # The same states as the same script in a folder with no patches of its own.
+    (tmp_path / "plain").mkdir()
+    expected = run(tmp_path / "plain", mine=False)["states"]
     assert out["states"] == expected and set(expected) == {row["name"] for row in catalogue.INDEX}
     assert "applied" in expected.values()
 

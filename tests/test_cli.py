@@ -86,7 +86,7 @@ def test_doctor_json_file_holds_the_records_of_doctor_json_beside_the_printed_ta
     table = run_python(BLOCKED.format(args=["doctor", "--json-file", str(path)])).stdout
     printed = run_python(BLOCKED.format(args=["doctor", "--json"])).stdout
     assert json.loads(path.read_text()) == json.loads(printed)
-    assert [record["name"] for record in json.loads(printed)] == [row[0] for row in catalogue.INDEX]
+    assert [record["name"] for record in json.loads(printed)] == [row["name"] for row in catalogue.INDEX]
     header = table.splitlines()[0].split()
     assert header[:2] == ["patch", "installed"] and header[-1] == "verdict"
     assert table == run_python(BLOCKED.format(args=["doctor"])).stdout  # the table as doctor prints it

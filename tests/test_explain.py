@@ -61,7 +61,7 @@ def test_explain_takes_the_names_the_environment_takes():
 
 
 def test_status_references_are_addresses_and_the_explain_command():
-    for record in shim.status():
+    for record in (record for record in shim.status() if record.name in NAMES):  # the built-in patches
         assert record.references[0] == f"python -m shim explain {record.name}"
         assert all(re.match(r"^https://github\.com/[\w.-]+/[\w.-]+/issues/\d+$", r) for r in record.references[1:])
     assert bugdocs.links(["huggingface/trl#6827", "docs/bugs.md#x"]) == (
