@@ -21,15 +21,18 @@ only ``shim.PatchError`` out, in strict mode).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from . import forksafe
+
 Hook = Callable[[Any], None]
 
-_lock = threading.Lock()
+_lock = forksafe.lock()
 _hooks: dict[str, list[Hook]] = {}  # module name -> hooks waiting for it to finish executing
 _on_reload: dict[str, list[Hook]] = {}  # module name -> hooks for every later reload of it
 _watchers: dict[str, threading.Thread] = {}  # module another thread is still executing -> its watcher
@@ -112,6 +115,10 @@ def _fire(module: Any) -> None:
         hooks = _hooks.pop(name, []) + _on_reload.get(name, [])
     for hook in hooks:
         hook(module)
+
+
+if hasattr(os, "register_at_fork"):  # the watchers' threads do not exist in a child
+    os.register_at_fork(after_in_child=_watchers.clear)
 
 
 def _install() -> None:

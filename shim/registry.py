@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import importhooks, settings
+from . import forksafe, importhooks, settings
 from .entry import Entry
 from .errors import PatchError
 from .states import APPLIED, DISABLED, FAILED, PENDING
@@ -32,7 +31,7 @@ class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
     def __init__(self, patches: Sequence[Declared] = ()) -> None:
-        self._lock = threading.RLock()
+        self._lock = forksafe.rlock()
         self._entries: dict[str, Entry] = {}
         self._active = False
         for patch in patches:
