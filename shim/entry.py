@@ -63,10 +63,17 @@ class Entry:
         self.reasons.clear()
         self.settled = False
 
-    def set(self, state: str, reason: str) -> None:
+    def set(self, state: str, reason: str, level: int | None = None, forced: bool = False) -> None:
         if (self.state, self.reason) != (state, reason):
-            level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
-            log.log(level, "%s: %s (%s)", self.name, state, reason)
+            if level is None:
+                level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
+            if log.isEnabledFor(level):
+                shown = (state, reason)
+                if state == PENDING and self.gate is None:  # as shim.status() shows it (a metadata read)
+                    from .gating import pending
+
+                    shown = pending(self.declared, reason, forced)[:2]
+                log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
 
     def apply(self, module_names: list[str], forced: bool) -> str | None:
@@ -99,13 +106,19 @@ class Entry:
         self.switch.update()
         return None
 
-    def settle(self, waiting: list[str]) -> None:
-        """The state after an apply: applied (maybe in part), pending, or skipped for good."""
-        later = f"applies when {', '.join(waiting)} is imported" if waiting else ""
+    def settle(self, waiting: list[str], added: list[str], forced: bool) -> None:
+        """The state after an apply (``added``: the modules it wrapped now): applied (maybe in
+        part), pending, or skipped for good."""
+        later = f"applies when {and_(waiting)} {'is' if len(waiting) == 1 else 'are'} imported" if waiting else ""
         if self.layers:
-            self.set(APPLIED, "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"])))
+            reason = "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"]))
+            if self.state != APPLIED:
+                self.set(APPLIED, reason)
+            elif added:  # said once at INFO; what a later target module adds, at DEBUG
+                log.debug("%s: applied to %s as well (%s)", self.name, and_(added), reason)
+            self.state, self.reason = APPLIED, reason
         elif waiting:
-            self.set(PENDING, later)
+            self.set(PENDING, later, forced=forced)
         else:
             self.give_up(SKIPPED, "; ".join(self.reasons[1:]) or "no target applies")
 
@@ -128,3 +141,8 @@ class Entry:
         """Forget layers whose target was replaced (a reload), so the patch applies to the new one."""
         if self.layers:
             self.done_modules -= self.layers.drop_stale()
+
+
+def and_(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import effects, gating, versions
-from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, SUSPENDED_REASON
+from .states import APPLIED, DISABLED, FAILED, PENDING, SUSPENDED_REASON
 
 if TYPE_CHECKING:
     from .entry import Entry
@@ -49,14 +49,8 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
     state, reason, installed = entry.state, entry.reason, entry.installed
     if state == PENDING and entry.gate is None:
         # Decided here rather than at activation, where it would cost every ``import shim`` a
-        # metadata read. Outside its gate a patch reads as skipped even when its target module
-        # does not exist in that release; its hooks stay, so SHIM_FORCE set later still applies it.
-        decision = gating.gate(declared, forced)
-        installed = decision.decision.installed
-        if decision.skip is not None:
-            state, reason = SKIPPED, decision.skip
-        else:
-            reason = f"{reason}; {decision.decision.reason}"
+        # metadata read (the log decides it the same way, when it shows the line).
+        state, reason, installed = gating.pending(declared, reason, forced)
     elif installed is None:
         installed = versions.installed_version(declared.distribution)
     if state == APPLIED and entry.layers:

@@ -197,9 +197,11 @@ class Registry:
             todo = [m for m in entry.declared.modules if m not in entry.done_modules]
             ready = [m for m in todo if m == finished or importhooks.finished(m)]
             waiting = [m for m in todo if m not in ready]
+            done = set(entry.done_modules)
             problem = entry.apply(ready, forced=name in config.forced) if ready else None
             if not entry.settled:
-                entry.settle(waiting)
+                added = [m for m in ready if m in entry.done_modules and m not in done]
+                entry.settle(waiting, added, name in config.forced)
             new_hooks = [m for m in waiting if m not in entry.hooked]
             new_hooks += [f"reload:{m}" for m in entry.done_modules if f"reload:{m}" not in entry.hooked]
             entry.hooked.update(new_hooks)

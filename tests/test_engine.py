@@ -528,3 +528,42 @@ def test_shim_register_puts_a_users_patch_in_the_process_registry(fake_modules):
     module = importlib.import_module(f"{pkg}.target")
     assert module.f(1)[1] == 1
     assert any(s.name.startswith("user-") and s.state == APPLIED for s in shim.status())
+
+
+# -- the log says what the status says ------------------------------------------------------------
+
+
+def test_pending_reasons_name_the_modules_in_english(fake_modules):
+    pkg = fake_modules(a=TARGET, b=TARGET, c=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:f"), make_patch(pkg, "a:f", "b:f", "c:f", name="three")])
+    registry.activate()
+    assert state(registry)[1].startswith(f"applies when {pkg}.a and {pkg}.b are imported;")
+    assert state(registry, "three")[1].startswith(f"applies when {pkg}.a, {pkg}.b and {pkg}.c are imported;")
+
+
+def test_applied_is_logged_at_info_once_and_each_later_module_at_debug(fake_modules, caplog):
+    # load-keeps-requires-grad applies in two modules: INFO said "applied" twice.
+    pkg = fake_modules(a=TARGET, b=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:f")])
+    with caplog.at_level(logging.DEBUG, logger="shim"):
+        registry.activate()
+        importlib.import_module(f"{pkg}.a")
+        importlib.import_module(f"{pkg}.b")
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("demo:")]
+    assert lines == [
+        ("DEBUG", f"demo: pending (applies when {pkg}.a and {pkg}.b are imported; {pkg} 1.2.0 is inside >=1.0)"),
+        ("INFO", f"demo: applied ({pkg} 1.2.0 is inside >=1.0; the rest applies when {pkg}.b is imported)"),
+        ("DEBUG", f"demo: applied to {pkg}.b as well ({pkg} 1.2.0 is inside >=1.0)"),
+    ]
+
+
+def test_the_log_says_skipped_where_the_status_does(fake_modules, caplog):
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(pkg)
+    registry = Registry([make_patch(pkg, requires=">=9"), make_patch("not_installed_here", name="absent")])
+    with caplog.at_level(logging.DEBUG, logger="shim"):
+        registry.activate()
+    logged = {r.getMessage().split(":")[0]: r.getMessage() for r in caplog.records if r.name == "shim"}
+    assert logged["demo"] == f"demo: skipped ({pkg} 1.2.0 is outside >=9)"
+    assert state(registry) == (SKIPPED, f"{pkg} 1.2.0 is outside >=9")
+    assert logged["absent"] == "absent: skipped (not_installed_here is not installed)"

@@ -1,6 +1,7 @@
 """Every switch does what it says, or says why not: environment variables, the Python API, status."""
 
 import importlib
+import json
 import warnings
 
 import pytest
@@ -149,3 +150,31 @@ def test_shim_log_level_shows_the_shims_log_lines_on_stderr(level):
 
 def test_without_shim_log_level_the_shim_prints_nothing():
     assert run_python("import shim\nimport transformers.modeling_utils").stderr == ""
+
+
+# -- the log agrees with the status ------------------------------------------------------------------
+
+LOG_AND_STATUS = """
+import json, logging, re
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("shim").addHandler(Keep())
+import shim
+{then}
+last = {{}}
+for level, message in records:
+    name, _, rest = message.partition(": ")
+    last[name] = re.sub(r"^applied to .* as well \\(", "applied (", rest)  # a later target module
+print(json.dumps({{"records": records, "last": last,
+                  "status": {{s.name: f"{{s.state}} ({{s.reason}})" for s in shim.status()}}}}))
+"""
+
+
+@pytest.mark.parametrize("then", ["pass", "import transformers.modeling_utils"])
+def test_the_last_log_line_of_each_patch_says_what_the_status_says(then):
+    out = json.loads(run_python(LOG_AND_STATUS.format(then=then), env={"SHIM_LOG_LEVEL": "DEBUG"}).stdout)
+    assert out["last"] == out["status"], out["records"]
+    applied = [m for level, m in out["records"] if level == "INFO" and ": applied (" in m]
+    assert len(applied) == len({m.split(":")[0] for m in applied}), "INFO says 'applied' once per patch"
