@@ -13,6 +13,7 @@ from .states import APPLIED, FAILED, PENDING, SKIPPED
 from .switch import Switch
 
 if TYPE_CHECKING:
+    from .importhooks import Hook
     from .layers import Layers
     from .patch import Declared, Patch
     from .versions import GateDecision
@@ -41,7 +42,7 @@ class Entry:
         self.reasons: list[str] = []  # why it applies (the gate), then the targets it left alone
         self.layers: Layers | None = None  # what it wrapped and rebound (shim.layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
-        self.hooked: set[str] = set()  # modules with an import hook of ours; "reload:" + name for reloads
+        self.hooked: dict[str, Hook] = {}  # module -> our import hook for it; "reload:" + name for reloads
 
     @property
     def name(self) -> str:
@@ -76,8 +77,9 @@ class Entry:
                 log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
 
-    def apply(self, module_names: list[str], forced: bool) -> str | None:
-        """Load, decide and wrap the targets in ``module_names``; returns a problem for strict mode."""
+    def apply(self, module_names: list[str], forced: bool, late: str | None = None) -> str | None:
+        """Load, decide and wrap the targets in ``module_names``; returns a problem for strict mode.
+        ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
         from . import gating
         from .layers import Layers
 
@@ -101,21 +103,25 @@ class Entry:
         except Exception as exc:
             return self.give_up(FAILED, f"wrapping failed and was rolled back: {exc!r}")
         self.reasons.extend(missed)
+        if late is not None and resolution.targets:
+            self.reasons.append(late)
         self.done_modules.update(module_names)
         self.switch.removed = False
         self.switch.update()
         return None
 
-    def settle(self, waiting: list[str], added: list[str], forced: bool) -> None:
-        """The state after an apply (``added``: the modules it wrapped now): applied (maybe in
-        part), pending, or skipped for good."""
+    def settle(self, waiting: list[str], added: list[str], forced: bool, late: str | None) -> None:
+        """The state after an apply (``added``: the modules it wrapped now, ``late`` if past the
+        shim's hook): applied (maybe in part), pending, or skipped for good."""
         later = f"applies when {and_(waiting)} {'is' if len(waiting) == 1 else 'are'} imported" if waiting else ""
         if self.layers:
             reason = "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"]))
+            level = logging.WARNING if late and added else logging.INFO
             if self.state != APPLIED:
-                self.set(APPLIED, reason)
+                self.set(APPLIED, reason, level)
             elif added:  # said once at INFO; what a later target module adds, at DEBUG
-                log.debug("%s: applied to %s as well (%s)", self.name, and_(added), reason)
+                level = logging.WARNING if late else logging.DEBUG
+                log.log(level, "%s: applied to %s as well (%s)", self.name, and_(added), reason)
             self.state, self.reason = APPLIED, reason
         elif waiting:
             self.set(PENDING, later, forced=forced)
@@ -130,7 +136,7 @@ class Entry:
         return reason
 
     def remove(self) -> None:
-        if not self.layers:
+        if self.layers is None:
             return
         self.layers.remove()
         # A layer that could not be spliced out stays in place, inert, until it is adopted again.

@@ -7,11 +7,13 @@ report), never by ``import shim`` itself.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import effects, gating, versions
+from .entry import and_
 from .states import APPLIED, DISABLED, FAILED, PENDING, SUSPENDED_REASON
 
 if TYPE_CHECKING:
@@ -55,7 +57,13 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         installed = versions.installed_version(declared.distribution)
     if state == APPLIED and entry.layers:
         stale = entry.layers.stale()
-        if stale:
+        gone = sorted({layer.module_name for layer in stale if sys.modules.get(layer.module_name) is None})
+        if stale and len(gone) == len({layer.module_name for layer in stale}):
+            # The import the patch was applied in failed after it (another hook raised, in strict mode).
+            state = PENDING if len(stale) == len(entry.layers.installed) else APPLIED
+            are = "is" if len(gone) == 1 else "are"
+            reason = f"{reason}; the import of {and_(gone)} failed: it applies again when {and_(gone)} {are} imported"
+        elif stale:
             replaced = entry.layers.describe(stale)
             state, reason = FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
     if entry.switch.suspended and state in (APPLIED, PENDING):

@@ -9,6 +9,7 @@ import pytest
 from shim import APPLIED, DISABLED, SKIPPED, Registry, ShimWarning, settings
 from tests.conftest import run_python
 from tests.test_engine import TARGET, make_patch, state
+from tests.test_import_and_cli import B1_EXISTS as LOAD_BUG
 
 
 @pytest.fixture(autouse=True)
@@ -150,6 +151,41 @@ def test_shim_log_level_shows_the_shims_log_lines_on_stderr(level):
 
 def test_without_shim_log_level_the_shim_prints_nothing():
     assert run_python("import shim\nimport transformers.modeling_utils").stderr == ""
+
+
+def test_after_disable_deactivate_activate_the_reason_is_still_disable(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(f"{pkg}.target")
+    registry = three(pkg)
+    registry.activate()
+    registry.disable("first-patch")
+    registry.deactivate()
+    registry.activate()
+    assert state(registry, "first-patch") == (DISABLED, "switched off with shim.disable()")
+    assert state(registry, "second-patch")[0] == APPLIED
+
+
+# -- deactivate() takes the shim's finder out of sys.meta_path ---------------------------------------
+
+
+def test_deactivate_removes_the_shims_finder_and_activate_puts_it_back_first():
+    code = """
+    import sys
+    import shim
+    where = lambda: [i for i, finder in enumerate(sys.meta_path) if type(finder).__module__.startswith("shim.")]
+    print(where())
+    shim.deactivate()
+    print(where())
+    shim.enable("load-keeps-requires-grad")  # one patch on: its hooks wait, so the finder is back
+    print(where())
+    shim.deactivate()
+    sys.meta_path.insert(0, sys.meta_path.pop())  # someone else's finder first, for a change
+    shim.activate()
+    print(where())
+    import transformers.modeling_utils
+    print({s.name: s.state for s in shim.status()}["load-keeps-requires-grad"])
+    """
+    assert run_python(code).stdout.split() == ["[0]", "[]", "[0]", "[0]", "applied" if LOAD_BUG else "skipped"]
 
 
 # -- the log agrees with the status ------------------------------------------------------------------
