@@ -171,15 +171,14 @@ class Registry:
     # -- applying -------------------------------------------------------------------------------
 
     def _entry(self, name: str) -> Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise KeyError(f"no patch named {name!r}; known: {', '.join(self._entries)}") from None
+        """The entry of patch ``name``, written as ``SHIM_DISABLE`` takes it (any case, ``_`` or ``-``)."""
+        entry = self._entries.get(settings.canonical(name)) if isinstance(name, str) else None
+        if entry is None:
+            raise KeyError(unknown(name, list(self._entries)))
+        return entry
 
     def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        for name in names:
-            self._entry(name)
-        return names or tuple(self._entries)
+        return tuple(self._entry(name).name for name in names) or tuple(self._entries)
 
     def _hook(self, name: str, reload: bool = False) -> importhooks.Hook:
         def hook(module: object) -> None:
@@ -235,3 +234,15 @@ class Registry:
                 importhooks.when_reloaded(key.removeprefix("reload:"), hook)
             else:
                 importhooks.when_imported(key, hook)
+
+
+def unknown(name: object, known: list[str]) -> str:
+    """A short message for a patch name that is not known, with the closest known names."""
+    import difflib  # only on this error
+
+    shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:36] + "...'"
+    close = difflib.get_close_matches(settings.canonical(str(name)), known, n=3, cutoff=0.5)
+    while close and len(f"no patch named {shown}; did you mean {', '.join(close)}?") > 88:
+        close.pop()
+    hint = f"did you mean {', '.join(close)}?" if close else "python -m shim lists them"
+    return f"no patch named {shown}; {hint}"

@@ -165,6 +165,55 @@ def test_after_disable_deactivate_activate_the_reason_is_still_disable(fake_modu
     assert state(registry, "second-patch")[0] == APPLIED
 
 
+# -- names, as SHIM_DISABLE takes them -------------------------------------------------------------
+
+
+def test_the_python_api_takes_names_as_the_environment_does(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = three(pkg)
+    registry.activate()
+    registry.disable("First_Patch")
+    assert module.f(1) == 1 and not registry.is_on("FIRST-PATCH") and not registry.switch_of("first_patch")
+    registry.enable(" first_PATCH ")
+    assert module.f(1) == ("first-patch", 1) and registry.is_on("First-Patch")
+    with registry.disabled("SECOND_patch"):
+        assert module.g(1) == ("third-patch", -1)
+    assert registry.patch("third_patch").name == "third-patch"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("frist-patch", "no patch named 'frist-patch'; did you mean first-patch, third-patch, second-patch?"),
+        ("nothing-like-it", "no patch named 'nothing-like-it'; python -m shim lists them"),
+        ("x" * 300, "no patch named 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'; python -m shim lists them"),
+    ],
+)
+def test_an_unknown_name_raises_a_short_key_error_with_the_closest_names(fake_modules, name, message):
+    registry = three(fake_modules(target=TARGET))
+
+    def within_disabled(name):
+        with registry.disabled(name):
+            pass
+
+    for call in (registry.disable, registry.enable, within_disabled, registry.is_on, registry.switch_of):
+        with pytest.raises(KeyError) as caught:
+            call(name)
+        assert caught.value.args == (message,)
+        assert len(f"KeyError: {str(caught.value)}") <= 100
+
+
+def test_an_unknown_name_in_the_real_catalogue_gets_a_short_message():
+    import shim
+
+    with pytest.raises(KeyError) as caught:
+        shim.disable("checkpointing_restor")
+    (message,) = caught.value.args
+    assert message.startswith("no patch named 'checkpointing_restor'; did you mean checkpointing-restore")
+    assert len(f"KeyError: {str(caught.value)}") <= 100
+
+
 # -- deactivate() takes the shim's finder out of sys.meta_path ---------------------------------------
 
 
