@@ -19,12 +19,11 @@ this module's own lock. Every hook of a module runs even if one raises; the firs
 propagates into the import (the registry lets only ``shim.PatchError`` out, in strict mode), and
 since that import fails, every hook of the module fires again at its next import.
 
-A finder placed in front of this one (typeguard's or jaxtyping's import hook, installed after
-``import shim``) answers for a module without asking this one, and so does an import that was
-already past the finders when its hook was registered. :func:`sweep` finds such modules (in
-``sys.modules``, hooks still waiting) and fires their hooks late, with :func:`late_note` saying so;
-it runs at the next import that passes through this finder and whenever the registry asks
-(``shim.status()``, ``shim.activate()``, ``shim.enable()``): never per call.
+A finder in front of this one (typeguard's or jaxtyping's import hook, installed after ``import
+shim``) answers for a module without asking this one. :func:`sweep` finds such modules (in
+``sys.modules``, hooks still waiting) and fires their hooks late, saying so (:func:`late_note`), at
+the next import through this finder and when the registry asks (``shim.status()``,
+``shim.activate()``, ``shim.enable()``): never per call.
 """
 
 from __future__ import annotations
@@ -57,7 +56,9 @@ def when_imported(name: str, hook: Hook) -> None:
         module = sys.modules.get(name)
         if module is None or executing(module):
             _hooks.setdefault(name, []).append(hook)
-            if module is not None and name not in _through_us:
+            # Another thread is executing it, or importing it past this finder (it had asked the
+            # finders before this hook existed): watch it. Any other import comes through here.
+            if name not in _through_us and name not in _watchers and (module is not None or _importing(name)):
                 _start_watcher(name, module, None)
             return
     hook(module)
@@ -126,10 +127,26 @@ def _start_watcher(name: str, module: Any, note: str | None) -> None:
     watcher.start()
 
 
+def _importing(name: str) -> bool:
+    """Whether a thread holds (or waits for) importlib's lock for module ``name``: it is importing
+    it. ``importlib._bootstrap._module_locks`` is private; where it is missing, :func:`sweep` is
+    left to notice the module."""
+    locks = getattr(sys.modules.get("importlib._bootstrap"), "_module_locks", None)
+    reference = locks.get(name) if isinstance(locks, dict) else None
+    return reference is not None and reference() is not None
+
+
 def _watch(name: str, module: Any, note: str | None) -> None:
     """Wait, without importing anything, until the thread importing ``name`` is done with it."""
     delay = 0.001
     try:
+        while module is None:  # not in sys.modules yet: until it is, or its import is over
+            importing = _importing(name)  # first: a module is in sys.modules before its lock goes
+            module = sys.modules.get(name)
+            if module is None:
+                if not importing:
+                    return  # it failed; the next import goes through the finder
+                time.sleep(0.001)
         # importlib clears the flag only once the module is back in sys.modules for good (it takes it
         # out and puts it back at the end of an import), or out of it for a failed import.
         while executing(module):
@@ -147,16 +164,10 @@ def _watch(name: str, module: Any, note: str | None) -> None:
 def wait(timeout: float = 10.0) -> bool:
     """Wait until no module is being watched; whether that happened within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while True:
-        with _lock:
-            watchers = list(_watchers.values())
-        if not watchers:
-            return True
-        for watcher in watchers:
+    while _watchers and time.monotonic() < deadline:
+        for watcher in list(_watchers.values()):  # a copy made without releasing the GIL
             watcher.join(max(0.0, deadline - time.monotonic()))
-        if time.monotonic() >= deadline:
-            with _lock:
-                return not _watchers
+    return not _watchers
 
 
 def finished(name: str) -> bool:
