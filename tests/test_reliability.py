@@ -622,3 +622,36 @@ print(json.dumps(values))
 
 def test_a_fork_started_dataloader_worker_imports_a_target_while_a_thread_applies_patches():
     assert run_script(DATALOADER.format(children=8), timeout=300) == [1.0] * 32
+
+
+# -- an import hook installed in front of the shim's (typeguard, jaxtyping) -------------------------------
+
+FINDER_IN_FRONT = """
+import importlib.machinery, json, sys
+import shim
+class FrontLoader(importlib.machinery.SourceFileLoader):
+    pass
+class FinderInFront:  # what typeguard.install_import_hook(["transformers.modeling_utils"]) installs
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "transformers.modeling_utils":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec.loader = FrontLoader(spec.loader.name, spec.loader.path)
+        return spec
+sys.meta_path.insert(0, FinderInFront())
+import transformers.modeling_utils
+from shim import importhooks
+importhooks.wait(30)
+print(json.dumps({s.name: [s.state, s.reason] for s in shim.status()}))
+"""
+
+
+def test_a_finder_in_front_of_the_shims_leaves_no_patch_pending():
+    # modeling_utils is imported by the finder in front, and imports core_model_loading through the
+    # shim's finder on its way: that import notices modeling_utils, and its patches apply once it
+    # has finished. They used to stay pending, "applies when transformers.modeling_utils is imported".
+    out = run_script(FINDER_IN_FRONT, timeout=180)
+    state, reason = out["reentrant-keyword-grads"]
+    assert state == "applied", reason
+    assert "late: transformers.modeling_utils was imported without passing the shim's import hook" in reason
+    assert all(state != "pending" or "modeling_utils" not in reason for state, reason in out.values()), out
