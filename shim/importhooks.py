@@ -97,11 +97,10 @@ def sweep(when: str) -> None:
     with _lock:
         for name in [name for name in _hooks if sys.modules.get(name) is not None and name not in _through_us]:
             module = sys.modules[name]
-            note = _note(name, module, when)
             if not executing(module):
-                due.append((module, _hooks.pop(name), note))
-            elif name not in _watchers:
-                _start_watcher(name, module, note)
+                due.append((module, _hooks.pop(name), _note(name, module, when)))
+            elif name not in _watchers:  # applied once it has finished
+                _start_watcher(name, module, _note(name, module, f"the end of its import (noticed at {when})"))
     errors = [error for module, hooks, note in due if (error := _run(module, hooks, note)) is not None]
     if errors:
         raise errors[0]
