@@ -5,8 +5,8 @@ Each cell is one virtual environment, ``.venvs/<cell>`` (the default cell is ``.
 ``scripts/setup.sh`` from ``constraints/<cell>.txt`` exactly as a user builds the default one:
 torch 2.13.0 CPU first, then the shim and the pinned stack, with uv from one shared cache (cells
 are hard links of the same files). Builds run two at a time ahead of the tests (``--jobs``). In each
-cell the script runs the test suite (doctor-only edge cells excepted; outside the default cell
-without the version-independent tests, marker ``any_version``) and ``python -m shim doctor
+cell the script runs tests (doctor-only edge cells excepted; outside the default cell each patch's
+own tests and the everyday workflows, :func:`cell_tests`) and ``python -m shim doctor
 --json-file``, saving doctor's table, its findings and the cell's versions under
 ``doctor-reports/<cell>/``. Then it checks every patch's version gate against what doctor measured
 and regenerates the README's compatibility table.
@@ -173,12 +173,31 @@ def show_build(cell: Cell, out: Path, built: dict) -> bool:
     return True
 
 
+#: Tests that a cell runs besides each patch's own ``tests/test_<patch module>.py``: the gradient
+#: comparisons of the checkpointing family and the everyday workflows with the shim off and on.
+CELL_TESTS = (
+    "tests/test_checkpointing_gradients.py",
+    "tests/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim",
+)
+
+
+def cell_tests() -> list[str]:
+    """What a cell other than the default runs: every patch's own test file (the bug with the patch
+    off, the fix with it on, on this cell's releases; a new patch's file is picked up by its name)
+    and :data:`CELL_TESTS`. The rest of the suite (the engine, the command line, import orders,
+    processes) is the same on every release and runs in the default cell."""
+    modules = sorted(path.stem for path in (ROOT / "patches").glob("[a-z]*.py"))
+    return [f"tests/test_{name}.py" for name in modules if (ROOT / "tests" / f"test_{name}.py").exists()] + list(
+        CELL_TESTS
+    )
+
+
 def suite_command(cell: Cell) -> list[str]:
-    """pytest as the README runs it; outside the default cell without the ``any_version`` tests (the
-    engine on throwaway modules, the docs, the package as it ships), which the default cell runs."""
+    """pytest as the README runs it; outside the default cell :func:`cell_tests` only, without the
+    ``any_version`` tests among them."""
     command = [str(cell.python), "-m", "pytest", "-q"]
     if cell.name != DEFAULT:
-        command += ["-m", "not e2e and not any_version"]
+        command += ["-m", "not e2e and not any_version", *cell_tests()]
     return command
 
 

@@ -12,10 +12,11 @@ The ledger is per process and keyed by patch name, so it survives a reload of ``
 from __future__ import annotations
 
 import logging
-import threading
+
+from . import forksafe
 
 log = logging.getLogger("shim")
-_lock = threading.Lock()
+_lock = forksafe.lock()
 _counts: dict[str, int] = {}
 _last: dict[str, tuple[str, tuple[object, ...]]] = {}
 

@@ -13,6 +13,7 @@ from .states import APPLIED, FAILED, PENDING, SKIPPED
 from .switch import Switch
 
 if TYPE_CHECKING:
+    from .importhooks import Hook
     from .layers import Layers
     from .patch import Declared, Patch
     from .versions import GateDecision
@@ -41,7 +42,7 @@ class Entry:
         self.reasons: list[str] = []  # why it applies (the gate), then the targets it left alone
         self.layers: Layers | None = None  # what it wrapped and rebound (shim.layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
-        self.hooked: set[str] = set()  # modules with an import hook of ours; "reload:" + name for reloads
+        self.hooked: dict[str, Hook] = {}  # module -> our import hook for it; "reload:" + name for reloads
 
     @property
     def name(self) -> str:
@@ -63,14 +64,22 @@ class Entry:
         self.reasons.clear()
         self.settled = False
 
-    def set(self, state: str, reason: str) -> None:
+    def set(self, state: str, reason: str, level: int | None = None, forced: bool = False) -> None:
         if (self.state, self.reason) != (state, reason):
-            level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
-            log.log(level, "%s: %s (%s)", self.name, state, reason)
+            if level is None:
+                level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
+            if log.isEnabledFor(level):
+                shown = (state, reason)
+                if state == PENDING and self.gate is None:  # as shim.status() shows it (a metadata read)
+                    from .gating import pending
+
+                    shown = pending(self.declared, reason, forced)[:2]
+                log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
 
-    def apply(self, module_names: list[str], forced: bool) -> str | None:
-        """Load, decide and wrap the targets in ``module_names``; returns a problem for strict mode."""
+    def apply(self, module_names: list[str], forced: bool, late: str | None = None) -> str | None:
+        """Load, decide and wrap the targets in ``module_names``; returns a problem for strict mode.
+        ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
         from . import gating
         from .layers import Layers
 
@@ -94,18 +103,28 @@ class Entry:
         except Exception as exc:
             return self.give_up(FAILED, f"wrapping failed and was rolled back: {exc!r}")
         self.reasons.extend(missed)
+        if late is not None and resolution.targets:
+            self.reasons.append(late)
         self.done_modules.update(module_names)
         self.switch.removed = False
         self.switch.update()
         return None
 
-    def settle(self, waiting: list[str]) -> None:
-        """The state after an apply: applied (maybe in part), pending, or skipped for good."""
-        later = f"applies when {', '.join(waiting)} is imported" if waiting else ""
+    def settle(self, waiting: list[str], added: list[str], forced: bool, late: str | None) -> None:
+        """The state after an apply (``added``: the modules it wrapped now, ``late`` if past the
+        shim's hook): applied (maybe in part), pending, or skipped for good."""
+        later = f"applies when {and_(waiting)} {'is' if len(waiting) == 1 else 'are'} imported" if waiting else ""
         if self.layers:
-            self.set(APPLIED, "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"])))
+            reason = "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"]))
+            level = logging.WARNING if late and added else logging.INFO
+            if self.state != APPLIED:
+                self.set(APPLIED, reason, level)
+            elif added:  # said once at INFO; what a later target module adds, at DEBUG
+                level = logging.WARNING if late else logging.DEBUG
+                log.log(level, "%s: applied to %s as well (%s)", self.name, and_(added), reason)
+            self.state, self.reason = APPLIED, reason
         elif waiting:
-            self.set(PENDING, later)
+            self.set(PENDING, later, forced=forced)
         else:
             self.give_up(SKIPPED, "; ".join(self.reasons[1:]) or "no target applies")
 
@@ -117,7 +136,7 @@ class Entry:
         return reason
 
     def remove(self) -> None:
-        if not self.layers:
+        if self.layers is None:
             return
         self.layers.remove()
         # A layer that could not be spliced out stays in place, inert, until it is adopted again.
@@ -128,3 +147,8 @@ class Entry:
         """Forget layers whose target was replaced (a reload), so the patch applies to the new one."""
         if self.layers:
             self.done_modules -= self.layers.drop_stale()
+
+
+def and_(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""

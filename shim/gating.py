@@ -1,8 +1,8 @@
 """Deciding whether a patch applies here: its version gate, each target's own requirement, and the
 shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
 
-One rule serves applying and reporting alike, so ``python -m shim`` shows a pending patch outside
-its gate as ``skipped`` for the same reason the import would skip it.
+One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
+pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import versions
-from .states import FAILED, SKIPPED
+from .states import FAILED, PENDING, SKIPPED
 
 if TYPE_CHECKING:
     from .patch import Declared, Patch, Target
@@ -33,6 +33,16 @@ def gate(declared: Declared, forced: bool) -> Gate:
     if forced and decision.gated_as is not None:
         return Gate(decision, None, f"{decision.reason}, applied anyway because of SHIM_FORCE")
     return Gate(decision, decision.reason, decision.reason)
+
+
+def pending(declared: Declared, reason: str, forced: bool) -> tuple[str, str, str | None]:
+    """How a patch still pending shows (state, reason, installed version), in ``shim.status()`` and
+    in the log alike: outside its gate it is skipped, even where its target module does not exist
+    in that release; its hooks stay, so ``SHIM_FORCE`` set later still applies it."""
+    decision = gate(declared, forced)
+    if decision.skip is not None:
+        return SKIPPED, decision.skip, decision.decision.installed
+    return PENDING, f"{reason}; {decision.decision.reason}", decision.decision.installed
 
 
 class Resolved(NamedTuple):

@@ -15,26 +15,38 @@ because of three measured problems with it in this role:
   a small daemon thread watches such a module and fires its hooks once it has finished.
 
 Hooks run in the importing thread, while the module's import lock is still held, and outside
-this module's own lock. An exception from a hook propagates into the import (the registry lets
-only ``shim.PatchError`` out, in strict mode).
+this module's own lock. Every hook of a module runs even if one raises; the first exception then
+propagates into the import (the registry lets only ``shim.PatchError`` out, in strict mode), and
+since that import fails, every hook of the module fires again at its next import.
+
+A finder in front of this one (typeguard's or jaxtyping's import hook, installed after ``import
+shim``) answers for a module without asking this one. :func:`sweep` finds such modules (in
+``sys.modules``, hooks still waiting) and fires their hooks late, saying so (:func:`late_note`), at
+the next import through this finder and when the registry asks (``shim.status()``,
+``shim.activate()``, ``shim.enable()``): never per call.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from . import forksafe
+from .finder import Finder
+
 Hook = Callable[[Any], None]
 
-_lock = threading.Lock()
+_lock = forksafe.lock()
 _hooks: dict[str, list[Hook]] = {}  # module name -> hooks waiting for it to finish executing
 _on_reload: dict[str, list[Hook]] = {}  # module name -> hooks for every later reload of it
 _watchers: dict[str, threading.Thread] = {}  # module another thread is still executing -> its watcher
-_resolving = threading.local()  # names this thread is resolving (another finder may call back)
-_finder: _Finder | None = None
+_through_us: set[str] = set()  # modules executing under our loader: their hooks fire when they finish
+_late = threading.local()  # .note: why the hooks running now were fired late (None when on time)
+_finder: Finder | None = None
 
 
 def when_imported(name: str, hook: Hook) -> None:
@@ -44,10 +56,10 @@ def when_imported(name: str, hook: Hook) -> None:
         module = sys.modules.get(name)
         if module is None or executing(module):
             _hooks.setdefault(name, []).append(hook)
-            if module is not None and name not in _watchers:
-                watcher = threading.Thread(target=_watch, args=(name,), name=f"shim: waits for {name}", daemon=True)
-                _watchers[name] = watcher
-                watcher.start()
+            # Another thread is executing it, or importing it past this finder (it had asked the
+            # finders before this hook existed): watch it. Any other import comes through here.
+            if name not in _through_us and name not in _watchers and (module is not None or _importing(name)):
+                _start_watcher(name, module, None)
             return
     hook(module)
 
@@ -60,19 +72,89 @@ def when_reloaded(name: str, hook: Hook) -> None:
         _on_reload.setdefault(name, []).append(hook)
 
 
-def _watch(name: str) -> None:
+def cancel(name: str, hook: Hook) -> None:
+    """Forget ``hook`` for module ``name``; the finder leaves ``sys.meta_path`` once no hook waits."""
+    with _lock:
+        for table in (_hooks, _on_reload):
+            hooks = table.get(name, [])
+            if hook in hooks:
+                hooks.remove(hook)
+                if not hooks:
+                    del table[name]
+        if not _hooks and not _on_reload and _installed():
+            # A new list rather than a removal in place: an import that another thread is running
+            # iterates the old list, and would skip the finder after ours if it shifted under it.
+            sys.meta_path = [finder for finder in sys.meta_path if finder is not _finder]
+
+
+def sweep(when: str) -> None:
+    """Fire, late, the hooks of modules that were imported without passing through this finder.
+
+    A module still executing is watched and fired when it is done. ``when`` says where the sweep
+    runs, for :func:`late_note`. Every such hook runs; the first exception propagates.
+    """
+    due = []
+    with _lock:
+        for name in [name for name in _hooks if sys.modules.get(name) is not None and name not in _through_us]:
+            module = sys.modules[name]
+            if not executing(module):
+                due.append((module, _hooks.pop(name), _note(name, module, when)))
+            elif name not in _watchers:  # applied once it has finished
+                _start_watcher(name, module, _note(name, module, f"the end of its import (noticed at {when})"))
+    errors = [error for module, hooks, note in due if (error := _run(module, hooks, note)) is not None]
+    if errors:
+        raise errors[0]
+
+
+def late_note() -> str | None:
+    """Inside a hook: why it runs late (its module was imported past this finder), else ``None``."""
+    note: str | None = getattr(_late, "note", None)
+    return note
+
+
+def _note(name: str, module: Any, when: str) -> str:
+    loader = type(getattr(getattr(module, "__spec__", None), "loader", None))
+    return (
+        f"late: {name} was imported without passing the shim's import hook (loader "
+        f"{loader.__module__}.{loader.__qualname__}), so this applied only at {when}"
+    )
+
+
+def _start_watcher(name: str, module: Any, note: str | None) -> None:
+    watcher = threading.Thread(target=_watch, args=(name, module, note), name=f"shim: waits for {name}", daemon=True)
+    _watchers[name] = watcher
+    watcher.start()
+
+
+def _importing(name: str) -> bool:
+    """Whether a thread holds (or waits for) importlib's lock for module ``name``: it is importing
+    it. ``importlib._bootstrap._module_locks`` is private; where it is missing, :func:`sweep` is
+    left to notice the module."""
+    locks = getattr(sys.modules.get("importlib._bootstrap"), "_module_locks", None)
+    reference = locks.get(name) if isinstance(locks, dict) else None
+    return reference is not None and reference() is not None
+
+
+def _watch(name: str, module: Any, note: str | None) -> None:
     """Wait, without importing anything, until the thread importing ``name`` is done with it."""
     delay = 0.001
     try:
-        while True:
+        while module is None:  # not in sys.modules yet: until it is, or its import is over
+            importing = _importing(name)  # first: a module is in sys.modules before its lock goes
             module = sys.modules.get(name)
-            if module is None:  # that import failed: the next one goes through the finder
-                return
-            if not executing(module):
-                _fire(module)
-                return
+            if module is None:
+                if not importing:
+                    return  # it failed; the next import goes through the finder
+                time.sleep(0.001)
+        # importlib clears the flag only once the module is back in sys.modules for good (it takes it
+        # out and puts it back at the end of an import), or out of it for a failed import.
+        while executing(module):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        current = sys.modules.get(name)
+        if current is None or executing(current):  # failed, or being imported again: through the finder
+            return
+        _fire(current, late=note)
     finally:
         with _lock:
             _watchers.pop(name, None)
@@ -81,16 +163,10 @@ def _watch(name: str) -> None:
 def wait(timeout: float = 10.0) -> bool:
     """Wait until no module is being watched; whether that happened within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while True:
-        with _lock:
-            watchers = list(_watchers.values())
-        if not watchers:
-            return True
-        for watcher in watchers:
+    while _watchers and time.monotonic() < deadline:
+        for watcher in list(_watchers.values()):  # a copy made without releasing the GIL
             watcher.join(max(0.0, deadline - time.monotonic()))
-        if time.monotonic() >= deadline:
-            with _lock:
-                return not _watchers
+    return not _watchers
 
 
 def finished(name: str) -> bool:
@@ -106,77 +182,65 @@ def executing(module: Any) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
-def _fire(module: Any) -> None:
+def _run(module: Any, hooks: list[Hook], note: str | None = None) -> Exception | None:
+    """Call every hook, whatever the others raise; returns the first exception."""
+    first = None
+    previous, _late.note = getattr(_late, "note", None), note
+    try:
+        for hook in hooks:
+            try:
+                hook(module)
+            except Exception as exc:
+                first = first or exc
+    finally:
+        _late.note = previous
+    return first
+
+
+def _fire(module: Any, late: str | None = None, importing: bool = False) -> None:
+    """Run the module's hooks. ``importing``: called from the module's own import, which fails if
+    a hook raises; the module is then discarded, so its hooks wait for the next import again."""
     name = str(getattr(module, "__name__", ""))
     with _lock:
-        hooks = _hooks.pop(name, []) + _on_reload.get(name, [])
-    for hook in hooks:
-        hook(module)
+        hooks = _hooks.pop(name, [])
+        again = list(_on_reload.get(name, []))
+    error = _run(module, hooks + again, late)
+    if error is None and importing:
+        try:
+            sweep(f"the import of {name}")
+        except Exception as exc:
+            error = exc
+    if error is not None:
+        if importing:
+            with _lock:
+                _hooks[name] = hooks + _hooks.get(name, [])
+        raise error
+
+
+def _executing(module: Any, execute: Callable[[], None]) -> None:
+    """Run the module's body under our loader, then its hooks."""
+    name = str(getattr(module, "__name__", ""))
+    with _lock:
+        _through_us.add(name)
+    try:
+        execute()
+        _fire(module, importing=True)
+    finally:
+        with _lock:
+            _through_us.discard(name)
 
 
 def _install() -> None:
     global _finder
     if _finder is None:
-        _finder = _Finder()
+        _finder = Finder(lambda name: name in _hooks or name in _on_reload, _executing)
+    if not _installed():
         sys.meta_path.insert(0, _finder)
 
 
-class _Finder:
-    """A meta path finder that only ever answers for modules with hooks, through the others."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _hooks and fullname not in _on_reload:
-            return None
-        resolving = _resolving.__dict__.setdefault("names", set())
-        if fullname in resolving:  # another finder re-entered the import system for this name
-            return None
-        resolving.add(fullname)
-        try:
-            spec = self._find_with_the_others(fullname, path, target)
-        finally:
-            resolving.discard(fullname)
-        if spec is not None and hasattr(spec.loader, "exec_module") and not isinstance(spec.loader, _Loader):
-            spec.loader = _Loader(spec.loader)
-        return spec
-
-    def _find_with_the_others(self, fullname: str, path: Any, target: Any) -> Any:
-        finders = sys.meta_path
-        start = next((i + 1 for i, finder in enumerate(finders) if finder is self), 0)
-        for finder in finders[start:]:
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                return spec
-        return None
-
-    def invalidate_caches(self) -> None:
-        pass
+def _installed() -> bool:
+    return any(finder is _finder for finder in sys.meta_path)
 
 
-class _Loader:
-    """The module's own loader, then the module's hooks. Everything else is the loader's."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        create = getattr(self.loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: Any) -> None:
-        # Introspection (inspect.getsource, importlib.resources) must meet the real loader.
-        if getattr(module, "__loader__", None) in (None, self):
-            try:
-                module.__loader__ = self.loader
-            except AttributeError:
-                pass
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = self.loader
-        self.loader.exec_module(module)
-        _fire(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
+if hasattr(os, "register_at_fork"):  # the watchers' threads do not exist in a child
+    os.register_at_fork(after_in_child=_watchers.clear)

@@ -9,6 +9,9 @@ is adopted together with its switch instead of being wrapped twice.
 from __future__ import annotations
 
 import logging
+import sys
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import wrapping
@@ -26,16 +29,29 @@ class Layer(NamedTuple):
     path: str  # the attribute path in it
     handle: Any  # our wrapper
     original: Any  # what it wraps
+    owner: Callable[[], Any]  # (a weak reference to) the object holding it: a class, or the module
+    attribute: str  # its name there
+    module_name: str  # the target module's name, under which sys.modules holds ``module``
+
+
+def _reference(obj: object) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # an object without weak references: held, as wrapt holds it anyway
+        return lambda: obj
 
 
 class Layers:
     """Everything one patch has installed: its layers and the consumer names it rebound."""
 
-    __slots__ = ("name", "installed", "rebound")
+    __slots__ = ("name", "installed", "replaced", "rebound")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.installed: list[Layer] = []
+        # Layers whose target was replaced (a reload makes new classes): the old class, still the
+        # base of models built before, keeps its layer, working, until the patch comes off.
+        self.replaced: list[Layer] = []
         self.rebound: list[tuple[Any, str, Any, Any]] = []  # (module, attribute, handle, original)
 
     def __bool__(self) -> bool:
@@ -55,7 +71,8 @@ class Layers:
                 original = handle.__wrapped__
             else:
                 handle = wrapping.install(module, target.path, patch.name, target.wrapper, switch)
-            layer = Layer(module, target.path, handle, original)
+            owner, attribute = wrapping.owner_of(module, target.path)
+            layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
             self.installed.append(layer)
             added.append(layer)
         missed: list[str] = []
@@ -72,14 +89,23 @@ class Layers:
             wrapping.unbind([(module, attribute)], handle, original)
         self.rebound.clear()
         stuck = [problem for layer in reversed(self.installed) if (problem := wrapping.remove(*layer[:3]))]
+        for layer in self.replaced:  # from the old object it sits in, if that still holds it
+            owner = layer.owner()
+            if owner is not None and (problem := wrapping.remove(owner, layer.attribute, layer.handle)):
+                stuck.append(problem)
         self.installed.clear()
+        self.replaced.clear()
         if stuck:
             log.warning("%s: left in place switched off: %s", self.name, "; ".join(stuck))
 
     def stale(self) -> list[Layer]:
-        """Layers no longer in place: their target was replaced (``importlib.reload``, assignment)."""
+        """Layers no longer in place: their target was replaced (``importlib.reload``, assignment),
+        or their module was (a failed import discards it; the next one makes a new module)."""
         stale = []
         for layer in self.installed:
+            if sys.modules.get(layer.module_name) is not layer.module:
+                stale.append(layer)
+                continue
             try:
                 current = wrapping.resolve(layer.module, layer.path)
             except wrapping.PathResolutionError:
@@ -90,11 +116,12 @@ class Layers:
         return stale
 
     def drop_stale(self) -> set[str]:
-        """Forget the layers whose target was replaced; returns their modules, to apply again."""
+        """Set aside the layers whose target was replaced; returns their modules, to apply again."""
         stale = self.stale() if self.installed else []
         for layer in stale:
             self.installed.remove(layer)
-        return {str(getattr(layer.module, "__name__", "")) for layer in stale}
+            self.replaced.append(layer)
+        return {layer.module_name for layer in stale}
 
     def describe(self, layers: list[Layer]) -> str:
         return ", ".join(f"{getattr(layer.module, '__name__', layer.module)}:{layer.path}" for layer in layers)

@@ -7,13 +7,15 @@ report), never by ``import shim`` itself.
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import bugdocs, effects, gating, processes, versions
-from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, SUSPENDED_REASON
+from .entry import and_
+from .states import APPLIED, DISABLED, FAILED, PENDING, SUSPENDED_REASON
 
 if TYPE_CHECKING:
     from .entry import Entry
@@ -55,19 +57,19 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
     state, reason, installed = entry.state, entry.reason, entry.installed
     if state == PENDING and entry.gate is None:
         # Decided here rather than at activation, where it would cost every ``import shim`` a
-        # metadata read. Outside its gate a patch reads as skipped even when its target module
-        # does not exist in that release; its hooks stay, so SHIM_FORCE set later still applies it.
-        decision = gating.gate(declared, forced)
-        installed = decision.decision.installed
-        if decision.skip is not None:
-            state, reason = SKIPPED, decision.skip
-        else:
-            reason = f"{reason}; {decision.decision.reason}"
+        # metadata read (the log decides it the same way, when it shows the line).
+        state, reason, installed = gating.pending(declared, reason, forced)
     elif installed is None:
         installed = versions.installed_version(declared.distribution)
     if state == APPLIED and entry.layers:
         stale = entry.layers.stale()
-        if stale:
+        gone = sorted({layer.module_name for layer in stale if sys.modules.get(layer.module_name) is None})
+        if stale and len(gone) == len({layer.module_name for layer in stale}):
+            # The import the patch was applied in failed after it (another hook raised, in strict mode).
+            state = PENDING if len(stale) == len(entry.layers.installed) else APPLIED
+            are = "is" if len(gone) == 1 else "are"
+            reason = f"{reason}; the import of {and_(gone)} failed: it applies again when {and_(gone)} {are} imported"
+        elif stale:
             replaced = entry.layers.describe(stale)
             state, reason = FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
     if entry.switch.suspended and state in (APPLIED, PENDING):

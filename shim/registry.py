@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import importhooks, settings
+from . import forksafe, importhooks, settings
 from .entry import Entry
 from .errors import PatchError
-from .states import APPLIED, DISABLED, FAILED, PENDING
+from .states import APPLIED, DISABLED, FAILED, OFF_BY_API, PENDING
 
 if TYPE_CHECKING:
     from .patch import Declared, Patch
@@ -32,7 +31,7 @@ class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
     def __init__(self, patches: Sequence[Declared] = ()) -> None:
-        self._lock = threading.RLock()
+        self._lock = forksafe.rlock()
         self._entries: dict[str, Entry] = {}
         self._active = False
         for patch in patches:
@@ -71,18 +70,25 @@ class Registry:
             for entry in self._entries.values():
                 entry.active = True
             names = tuple(self._entries)
+        importhooks.sweep("shim.activate()")
         for name in names:
             self._try_apply(name)
 
     def deactivate(self) -> None:
-        """Remove every layer this shim installed, leaving other libraries' wrappers working."""
+        """Remove every layer this shim installed, leaving other libraries' wrappers working, and
+        its import hooks (the shim's finder leaves ``sys.meta_path`` when no registry has any)."""
         with self._lock:
             self._active = False
+            hooks: list[tuple[str, importhooks.Hook]] = []
             for entry in self._entries.values():
                 entry.active = False
                 entry.remove()
                 entry.forget_progress()
                 entry.set(DISABLED, "shim.deactivate() was called")
+                hooks += entry.hooked.items()
+                entry.hooked.clear()
+        for key, hook in hooks:
+            importhooks.cancel(key.removeprefix("reload:"), hook)
 
     def enable(self, *names: str) -> None:
         """Switch patches on (all when no names are given) and apply them if needed.
@@ -91,14 +97,17 @@ class Registry:
         :meth:`deactivate`/:meth:`activate`. After :meth:`deactivate` it applies the named
         patches again (and only those); a patch that failed is tried again.
         """
-        for name in self._resolve(names):
-            with self._lock:
+        names = self._resolve(names)
+        with self._lock:
+            for name in names:
                 entry = self._entries[name]
                 entry.switch.disabled = False
                 entry.switch.update()
                 entry.explicit = entry.active = True
                 if entry.settled and entry.state == FAILED:
                     entry.forget_progress()
+        importhooks.sweep("shim.enable()")
+        for name in names:
             self._try_apply(name)
 
     def disable(self, *names: str) -> None:
@@ -110,7 +119,7 @@ class Registry:
                 entry.switch.update()
                 entry.explicit = False
                 if entry.state in (APPLIED, PENDING):
-                    entry.set(DISABLED, "switched off with shim.disable()")
+                    entry.set(DISABLED, OFF_BY_API)
 
     @contextlib.contextmanager
     def disabled(self, *names: str) -> Iterator[None]:
@@ -145,6 +154,10 @@ class Registry:
         """One record per patch: its state and why, its versions, and what it changed so far."""
         from .records import status_of
 
+        try:  # a target module imported past the shim's hook is patched now, and says so
+            importhooks.sweep("shim.status()")
+        except PatchError:  # strict mode: the status records it, and a status always comes back
+            pass
         with self._lock:
             forced = settings.read(self._entries).forced
             return [status_of(entry, entry.name in forced) for entry in self._entries.values()]
@@ -158,15 +171,14 @@ class Registry:
     # -- applying -------------------------------------------------------------------------------
 
     def _entry(self, name: str) -> Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise KeyError(f"no patch named {name!r}; known: {', '.join(self._entries)}") from None
+        """The entry of patch ``name``, written as ``SHIM_DISABLE`` takes it (any case, ``_`` or ``-``)."""
+        entry = self._entries.get(settings.canonical(name)) if isinstance(name, str) else None
+        if entry is None:
+            raise KeyError(unknown(name, list(self._entries)))
+        return entry
 
     def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
-        for name in names:
-            self._entry(name)
-        return names or tuple(self._entries)
+        return tuple(self._entry(name).name for name in names) or tuple(self._entries)
 
     def _hook(self, name: str, reload: bool = False) -> importhooks.Hook:
         def hook(module: object) -> None:
@@ -175,7 +187,7 @@ class Registry:
                 if reload:
                     with self._lock:
                         self._entries[name].drop_stale()
-                self._try_apply(name, finished=getattr(module, "__name__", None))
+                self._try_apply(name, getattr(module, "__name__", None), importhooks.late_note())
             except PatchError:
                 raise
             except Exception:  # pragma: no cover - defensive: _try_apply records its failures
@@ -183,10 +195,15 @@ class Registry:
 
         return hook
 
-    def _try_apply(self, name: str, finished: str | None = None) -> None:
+    def _try_apply(self, name: str, finished: str | None = None, late: str | None = None) -> None:
+        """Apply what is ready; ``finished``: the module whose hook fired (``late``: past it)."""
         with self._lock:
             entry = self._entries[name]
-            if not entry.active or entry.settled or entry.switch.disabled:
+            if not entry.active or entry.settled:
+                return
+            if entry.switch.disabled:
+                if entry.state == DISABLED:  # after deactivate()/activate(): say why it stays off
+                    entry.set(DISABLED, OFF_BY_API)
                 return
             entry.drop_stale()
             config = settings.read(self._entries)
@@ -198,19 +215,34 @@ class Registry:
             todo = [m for m in entry.declared.modules if m not in entry.done_modules]
             ready = [m for m in todo if m == finished or importhooks.finished(m)]
             waiting = [m for m in todo if m not in ready]
-            problem = entry.apply(ready, forced=name in config.forced) if ready else None
+            done = set(entry.done_modules)
+            problem = entry.apply(ready, name in config.forced, late) if ready else None
             if not entry.settled:
-                entry.settle(waiting)
-            new_hooks = [m for m in waiting if m not in entry.hooked]
-            new_hooks += [f"reload:{m}" for m in entry.done_modules if f"reload:{m}" not in entry.hooked]
+                added = [m for m in ready if m in entry.done_modules and m not in done]
+                entry.settle(waiting, added, name in config.forced, late)
+            keys = [m for m in waiting if m not in entry.hooked]
+            keys += [f"reload:{m}" for m in entry.done_modules if f"reload:{m}" not in entry.hooked]
+            new_hooks = {key: self._hook(name, reload=key.startswith("reload:")) for key in keys}
             entry.hooked.update(new_hooks)
             if problem is not None and config.strict:
+                entry.forget_progress()  # not settled: a retried import (or activate) tries again
                 raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
         # Registered outside the lock: a hook runs at once if another thread has just finished the
         # import, and it takes the lock itself.
-        for hooked in new_hooks:
-            module_name = hooked.removeprefix("reload:")
-            if hooked.startswith("reload:"):
-                importhooks.when_reloaded(module_name, self._hook(name, reload=True))
+        for key, hook in new_hooks.items():
+            if key.startswith("reload:"):
+                importhooks.when_reloaded(key.removeprefix("reload:"), hook)
             else:
-                importhooks.when_imported(module_name, self._hook(name))
+                importhooks.when_imported(key, hook)
+
+
+def unknown(name: object, known: list[str]) -> str:
+    """A short message for a patch name that is not known, with the closest known names."""
+    import difflib  # only on this error
+
+    shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:36] + "...'"
+    close = difflib.get_close_matches(settings.canonical(str(name)), known, n=3, cutoff=0.5)
+    while close and len(f"no patch named {shown}; did you mean {', '.join(close)}?") > 88:
+        close.pop()
+    hint = f"did you mean {', '.join(close)}?" if close else "python -m shim lists them"
+    return f"no patch named {shown}; {hint}"

@@ -7,3 +7,4 @@ DISABLED = "disabled"  # switched off: SHIM_DISABLE, shim.disable(), shim.deacti
 FAILED = "failed"  # wrapping raised (and was rolled back), or a probe could not run
 
 SUSPENDED_REASON = "inside shim.disabled()"
+OFF_BY_API = "switched off with shim.disable()"

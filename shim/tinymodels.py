@@ -201,11 +201,12 @@ def lora_config(**overrides: Any) -> Any:
 def dropout_llama(layers: int = 2, lora_dropout: float | None = 0.3, attention_dropout: float = 0.1) -> Any:
     """A tiny Llama in training mode with dropout active: ``attention_dropout`` in every attention and,
     unless ``lora_dropout`` is ``None``, a PEFT LoRA adapter (:func:`lora_config`) with that dropout.
-    Seeded: two builds have the same weights."""
+    Seeded: two builds have the same weights. No KV cache, as a training script sets it: transformers
+    4.x builds one in every forward, and a recompute outside its own checkpointing would grow it."""
     import torch
 
     torch.manual_seed(0)
-    model = tiny_llama(layers, attention_dropout=attention_dropout)
+    model = tiny_llama(layers, attention_dropout=attention_dropout, use_cache=False)
     if lora_dropout is not None:
         from peft import get_peft_model
 

@@ -35,6 +35,12 @@ def installed_version(distribution: str) -> str | None:
                 return None
         except (ImportError, ValueError):
             return None
+    return _metadata_version(distribution)
+
+
+@functools.cache
+def _metadata_version(distribution: str) -> str | None:
+    """The version in ``distribution``'s metadata, read once per process (each read parses a file)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

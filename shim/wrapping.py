@@ -34,6 +34,12 @@ def resolve(module: object, path: str) -> object:
     return wrapt.resolve_path(module, path)[2]
 
 
+def owner_of(module: object, path: str) -> tuple[Any, str]:
+    """The object that holds the attribute at ``module.path`` (a class, or the module), and its name."""
+    parent, attribute, _current = wrapt.resolve_path(module, path)
+    return parent, attribute
+
+
 def patch_name_of(entry: object) -> str | None:
     """The patch name stored on ``entry`` if it is a shim wrapper (never looked up through proxies)."""
     try:

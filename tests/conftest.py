@@ -1,3 +1,4 @@
+import importlib.machinery
 import itertools
 import os
 import subprocess
@@ -59,3 +60,36 @@ def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subpro
     )
     assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+class FrontLoader(importlib.machinery.SourceFileLoader):
+    """What typeguard's and jaxtyping's import hooks hand the import system: a loader of their own."""
+
+
+class FinderInFront:
+    """A meta path finder inserted before the shim's after ``import shim``, as
+    ``typeguard.install_import_hook(names)`` does: it answers for ``names`` without asking the
+    finders after it, so the shim's finder never sees those imports."""
+
+    def __init__(self, *names):
+        self.names = set(names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.names:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec.loader = FrontLoader(spec.loader.name, spec.loader.path)
+        return spec
+
+
+@pytest.fixture
+def finder_in_front():
+    """``finder_in_front(*names)`` puts a :class:`FinderInFront` first in ``sys.meta_path``."""
+    installed = []
+
+    def install(*names):
+        installed.append(FinderInFront(*names))
+        sys.meta_path.insert(0, installed[-1])
+
+    yield install
+    sys.meta_path[:] = [finder for finder in sys.meta_path if finder not in installed]

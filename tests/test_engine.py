@@ -2,6 +2,8 @@
 
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import logging
 import sys
 import threading
@@ -532,3 +534,184 @@ def test_shim_register_puts_a_users_patch_in_the_process_registry(fake_modules):
     module = importlib.import_module(f"{pkg}.target")
     assert module.f(1)[1] == 1
     assert any(s.name.startswith("user-") and s.state == APPLIED for s in shim.status())
+
+
+# -- the log says what the status says ------------------------------------------------------------
+
+
+def test_pending_reasons_name_the_modules_in_english(fake_modules):
+    pkg = fake_modules(a=TARGET, b=TARGET, c=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:f"), make_patch(pkg, "a:f", "b:f", "c:f", name="three")])
+    registry.activate()
+    assert state(registry)[1].startswith(f"applies when {pkg}.a and {pkg}.b are imported;")
+    assert state(registry, "three")[1].startswith(f"applies when {pkg}.a, {pkg}.b and {pkg}.c are imported;")
+
+
+def test_applied_is_logged_at_info_once_and_each_later_module_at_debug(fake_modules, caplog):
+    # load-keeps-requires-grad applies in two modules: INFO said "applied" twice.
+    pkg = fake_modules(a=TARGET, b=TARGET)
+    registry = Registry([make_patch(pkg, "a:f", "b:f")])
+    with caplog.at_level(logging.DEBUG, logger="shim"):
+        registry.activate()
+        importlib.import_module(f"{pkg}.a")
+        importlib.import_module(f"{pkg}.b")
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("demo:")]
+    assert lines == [
+        ("DEBUG", f"demo: pending (applies when {pkg}.a and {pkg}.b are imported; {pkg} 1.2.0 is inside >=1.0)"),
+        ("INFO", f"demo: applied ({pkg} 1.2.0 is inside >=1.0; the rest applies when {pkg}.b is imported)"),
+        ("DEBUG", f"demo: applied to {pkg}.b as well ({pkg} 1.2.0 is inside >=1.0)"),
+    ]
+
+
+def test_the_log_says_skipped_where_the_status_does(fake_modules, caplog):
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(pkg)
+    registry = Registry([make_patch(pkg, requires=">=9"), make_patch("not_installed_here", name="absent")])
+    with caplog.at_level(logging.DEBUG, logger="shim"):
+        registry.activate()
+    logged = {r.getMessage().split(":")[0]: r.getMessage() for r in caplog.records if r.name == "shim"}
+    assert logged["demo"] == f"demo: skipped ({pkg} 1.2.0 is outside >=9)"
+    assert state(registry) == (SKIPPED, f"{pkg} 1.2.0 is outside >=9")
+    assert logged["absent"] == "absent: skipped (not_installed_here is not installed)"
+
+
+# -- a target imported past the shim's finder; strict retries; reloads ------------------------------
+
+
+def late_reason(pkg, when):
+    return (
+        f"{pkg} 1.2.0 is inside >=1.0; late: {pkg}.target was imported without passing the shim's "
+        f"import hook (loader tests.conftest.FrontLoader), so this applied only at {when}"
+    )
+
+
+@pytest.mark.parametrize("noticed_by", ["shim.status()", "shim.activate()", "shim.enable()", "the import of"])
+def test_a_target_imported_past_the_shims_finder_applies_late_and_says_so(
+    fake_modules, finder_in_front, caplog, noticed_by
+):
+    # typeguard's and jaxtyping's import hooks, installed after ``import shim``, sit in front of the
+    # shim's finder: the patch used to stay pending for good, saying its module was not imported.
+    pkg = fake_modules(target=TARGET, other=TARGET)
+    registry = Registry([make_patch(pkg), make_patch(pkg, "other:f", name="other")])
+    registry.activate()
+    finder_in_front(f"{pkg}.target")
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1, "nothing fired yet"
+    with caplog.at_level(logging.INFO, logger="shim"):
+        if noticed_by == "shim.activate()":
+            registry.activate()
+        elif noticed_by == "shim.enable()":
+            registry.enable("other")
+        elif noticed_by == "the import of":
+            importlib.import_module(f"{pkg}.other")  # the next target import that passes the shim's finder
+            noticed_by = f"the import of {pkg}.other"
+        current, reason = state(registry)
+    assert module.f(1) == ("demo", 1)
+    assert (current, reason) == (APPLIED, late_reason(pkg, noticed_by))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("demo:")] == [
+        ("WARNING", f"demo: applied ({reason})")
+    ]
+
+
+def test_strict_mode_a_retried_import_raises_again_and_the_other_patches_apply(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_STRICT", "1")
+    registry = Registry([make_patch(pkg, "target:missing", name="broken"), make_patch(pkg, "target:g", name="healthy")])
+    registry.activate()
+    for _attempt in range(2):  # the second import used to succeed, unpatched
+        with pytest.raises(PatchError, match="'broken' did not apply: target .*:missing does not exist"):
+            importlib.import_module(f"{pkg}.target")
+        assert state(registry, "healthy") == (
+            PENDING,
+            f"{pkg} 1.2.0 is inside >=1.0; the import of {pkg}.target failed: it applies again when {pkg}.target "
+            "is imported",
+        )
+    monkeypatch.delenv("SHIM_STRICT")
+    module = importlib.import_module(f"{pkg}.target")
+    assert (module.f(1), module.g(1)) == (1, ("healthy", -1))
+    assert state(registry, "healthy") == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")
+    assert state(registry, "broken") == (SKIPPED, f"target {pkg}.target:missing does not exist in 1.2.0")
+
+
+CLASS_TARGET = """
+class Model:
+    def f(self, x):
+        return x
+"""
+
+
+def test_deactivate_takes_the_layer_off_the_class_a_reload_left_behind(fake_modules):
+    pkg = fake_modules(target=CLASS_TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg, "target:Model.f")])
+    registry.activate()
+    old = module.Model
+    importlib.reload(module)
+    assert module.Model is not old
+    # While applied, both work: models built before the reload keep the old class.
+    assert (old().f(1), module.Model().f(1)) == (("demo", 1), ("demo", 1))
+    assert state(registry)[0] == APPLIED
+
+    registry.deactivate()
+
+    assert shim_layers(vars(old)["f"]) == [] and old().f(1) == 1, "the old class keeps no layer, not even inert"
+    assert shim_layers(vars(module.Model)["f"]) == [] and module.Model().f(1) == 1
+
+
+class HeldLoader(importlib.abc.Loader):
+    """Builds its module only when ``go`` is set: an import that is already past the finders (and
+    so past the shim's) but not yet in ``sys.modules``."""
+
+    def __init__(self, started, go):
+        self.started, self.go = started, go
+
+    def create_module(self, spec):
+        self.started.set()
+        assert self.go.wait(10)
+        return None
+
+    def exec_module(self, module):
+        exec(TARGET, vars(module))
+
+
+@pytest.mark.parametrize("lock_table", ["importlib's", "none"])
+def test_an_import_already_under_way_when_the_hook_is_registered_is_applied(fake_modules, monkeypatch, lock_table):
+    # import shim in one thread while another imports transformers: a target module whose import
+    # had passed the finders when the shim hooked it used to leave its patch pending for good. The
+    # shim sees the import in importlib's table of module locks and waits for it; without that
+    # (private) table, the next status() notices the module.
+    from shim import importhooks
+
+    if lock_table == "none":
+        monkeypatch.setattr(importhooks, "_importing", lambda name: False)
+    pkg = fake_modules()
+    name = f"{pkg}.held"
+    started, go = threading.Event(), threading.Event()
+    loader = HeldLoader(started, go)
+
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            return importlib.util.spec_from_loader(fullname, loader) if fullname == name else None
+
+    sys.meta_path.append(Finder())
+    try:
+        thread = threading.Thread(target=importlib.import_module, args=(name,), daemon=True)
+        thread.start()
+        assert started.wait(10)
+        registry = Registry([make_patch(pkg, "held:f")])
+        registry.activate()  # the module is not in sys.modules yet: the hook waits for an import
+        go.set()
+        thread.join(10)
+        assert importhooks.wait(10) and not thread.is_alive()
+        assert sys.modules[name].f(1) == (1 if lock_table == "none" else ("demo", 1)), "before any status()"
+        current, reason = state(registry)
+    finally:
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, Finder)]
+    assert current == APPLIED and sys.modules[name].f(1) == ("demo", 1)
+    if lock_table == "none":
+        assert reason.endswith(
+            f"late: {name} was imported without passing the shim's import hook (loader "
+            "tests.test_engine.HeldLoader), so this applied only at shim.status()"
+        )
+    else:
+        assert reason == f"{pkg} 1.2.0 is inside >=1.0"

@@ -196,10 +196,17 @@ def test_every_cell_has_a_constraints_file_pinning_torch_first():
         )
 
 
-def test_outside_the_default_cell_the_suite_deselects_the_version_independent_tests():
+def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
     default = matrix.suite_command(matrix.BY_NAME[matrix.DEFAULT])
     assert default[1:] == ["-m", "pytest", "-q"]  # everything the README's command runs
+    from shim.patches import INDEX
+
+    names = [f"test_{row['module']}.py" for row in INDEX]
+    patch_tests = [f"tests/{name}" for name in names if (ROOT / "tests" / name).exists()]
+    assert len(patch_tests) >= 14
     for cell in matrix.CELLS:
         if cell.name != matrix.DEFAULT:
             command = matrix.suite_command(cell)
             assert command[command.index("-m", 2) + 1] == "not e2e and not any_version", cell.name
+            assert set(patch_tests) <= set(command), cell.name
+            assert all((ROOT / test.split("::")[0]).exists() for test in matrix.CELL_TESTS)

@@ -1,6 +1,7 @@
 """Every switch does what it says, or says why not: environment variables, the Python API, status."""
 
 import importlib
+import json
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from shim import APPLIED, DISABLED, SKIPPED, Registry, ShimWarning, settings
 from tests.conftest import run_python
 from tests.test_engine import TARGET, make_patch, state
+from tests.test_import_and_cli import B1_EXISTS as LOAD_BUG
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -183,3 +185,115 @@ def test_shim_log_level_shows_the_shims_log_lines_on_stderr(level):
 
 def test_without_shim_log_level_the_shim_prints_nothing():
     assert run_python("import shim\nimport transformers.modeling_utils").stderr == ""
+
+
+def test_after_disable_deactivate_activate_the_reason_is_still_disable(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(f"{pkg}.target")
+    registry = three(pkg)
+    registry.activate()
+    registry.disable("first-patch")
+    registry.deactivate()
+    registry.activate()
+    assert state(registry, "first-patch") == (DISABLED, "switched off with shim.disable()")
+    assert state(registry, "second-patch")[0] == APPLIED
+
+
+# -- names, as SHIM_DISABLE takes them -------------------------------------------------------------
+
+
+def test_the_python_api_takes_names_as_the_environment_does(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = three(pkg)
+    registry.activate()
+    registry.disable("First_Patch")
+    assert module.f(1) == 1 and not registry.is_on("FIRST-PATCH") and not registry.switch_of("first_patch")
+    registry.enable(" first_PATCH ")
+    assert module.f(1) == ("first-patch", 1) and registry.is_on("First-Patch")
+    with registry.disabled("SECOND_patch"):
+        assert module.g(1) == ("third-patch", -1)
+    assert registry.patch("third_patch").name == "third-patch"
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("frist-patch", "no patch named 'frist-patch'; did you mean first-patch, third-patch, second-patch?"),
+        ("nothing-like-it", "no patch named 'nothing-like-it'; python -m shim lists them"),
+        ("x" * 300, "no patch named 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'; python -m shim lists them"),
+    ],
+)
+def test_an_unknown_name_raises_a_short_key_error_with_the_closest_names(fake_modules, name, message):
+    registry = three(fake_modules(target=TARGET))
+
+    def within_disabled(name):
+        with registry.disabled(name):
+            pass
+
+    for call in (registry.disable, registry.enable, within_disabled, registry.is_on, registry.switch_of):
+        with pytest.raises(KeyError) as caught:
+            call(name)
+        assert caught.value.args == (message,)
+        assert len(f"KeyError: {str(caught.value)}") <= 100
+
+
+def test_an_unknown_name_in_the_real_catalogue_gets_a_short_message():
+    import shim
+
+    with pytest.raises(KeyError) as caught:
+        shim.disable("checkpointing_restor")
+    (message,) = caught.value.args
+    assert message.startswith("no patch named 'checkpointing_restor'; did you mean checkpointing-restore")
+    assert len(f"KeyError: {str(caught.value)}") <= 100
+
+
+# -- deactivate() takes the shim's finder out of sys.meta_path ---------------------------------------
+
+
+def test_deactivate_removes_the_shims_finder_and_activate_puts_it_back_first():
+    code = """
+    import sys
+    import shim
+    where = lambda: [i for i, finder in enumerate(sys.meta_path) if type(finder).__module__.startswith("shim.")]
+    print(where())
+    shim.deactivate()
+    print(where())
+    shim.enable("load-keeps-requires-grad")  # one patch on: its hooks wait, so the finder is back
+    print(where())
+    shim.deactivate()
+    sys.meta_path.insert(0, sys.meta_path.pop())  # someone else's finder first, for a change
+    shim.activate()
+    print(where())
+    import transformers.modeling_utils
+    print({s.name: s.state for s in shim.status()}["load-keeps-requires-grad"])
+    """
+    assert run_python(code).stdout.split() == ["[0]", "[]", "[0]", "[0]", "applied" if LOAD_BUG else "skipped"]
+
+
+# -- the log agrees with the status ------------------------------------------------------------------
+
+LOG_AND_STATUS = """
+import json, logging, re
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelname, record.getMessage()))
+logging.getLogger("shim").addHandler(Keep())
+import shim
+{then}
+last = {{}}
+for level, message in records:
+    name, _, rest = message.partition(": ")
+    last[name] = re.sub(r"^applied to .* as well \\(", "applied (", rest)  # a later target module
+print(json.dumps({{"records": records, "last": last,
+                  "status": {{s.name: f"{{s.state}} ({{s.reason}})" for s in shim.status()}}}}))
+"""
+
+
+@pytest.mark.parametrize("then", ["pass", "import transformers.modeling_utils"])
+def test_the_last_log_line_of_each_patch_says_what_the_status_says(then):
+    out = json.loads(run_python(LOG_AND_STATUS.format(then=then), env={"SHIM_LOG_LEVEL": "DEBUG"}).stdout)
+    assert out["last"] == out["status"], out["records"]
+    applied = [m for level, m in out["records"] if level == "INFO" and ": applied (" in m]
+    assert len(applied) == len({m.split(":")[0] for m in applied}), "INFO says 'applied' once per patch"

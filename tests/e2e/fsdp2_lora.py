@@ -38,6 +38,7 @@ def build_model():
         num_key_value_heads=4,
         max_position_embeddings=64,
         attention_dropout=0.1,
+        use_cache=False,  # as a training script sets it: transformers 4.x builds a cache when training
     )
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     return get_peft_model(LlamaForCausalLM(config), lora)

@@ -275,6 +275,7 @@ def fsdp2_activation_checkpointing() -> dict:
     from accelerate.utils import fsdp_utils
 
     model = llama(2)
+    model.config.use_cache = False  # as a training script sets it (transformers 4.x builds a cache when training)
     model = fsdp_utils.fsdp2_apply_ac(tinysteps.fsdp2_accelerator(model), model)
     record = one_step(model)
     return {"loss": record["loss"], "grads": record["grads"]}
