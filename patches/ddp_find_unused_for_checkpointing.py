@@ -222,9 +222,11 @@ def ddp_decision(trainer) -> dict:
     ``train()`` does up to that point, with the arguments reading as a multi-process run.
     """
     args = trainer.args
-    if hasattr(type(trainer), "_build_accelerator_args"):
+    built = {}
+    if hasattr(type(trainer), "_build_accelerator_args"):  # 5.2 has it too, without the DDP handler
         with as_multi_process(args):
             built = trainer._build_accelerator_args()
+    if "kwargs_handlers" in built:
         handler = next(h for h in built["kwargs_handlers"] if isinstance(h, _ddp_kwargs_class()))
     else:
         if _setting(args, "gradient_checkpointing"):

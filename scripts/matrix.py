@@ -72,7 +72,7 @@ class Cell:
         return ROOT / (self.venv or f".venvs/{self.name}") / "bin" / "python"
 
 
-#: The cells. Full cells run the suite and doctor. Edge cells run doctor only and sit on the first
+#: The cells. Full cells run doctor and the cell's tests (:func:`cell_tests`). Edge cells run doctor only and sit on the first
 #: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
 #: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
 #: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
