@@ -2,7 +2,7 @@
 """What ``import shim`` costs: every patch, shim on against shim off, in one run.
 
     python benchmarks/overhead.py            # full run (a few minutes on 2 busy cores)
-    python benchmarks/overhead.py --quick    # CI smoke: few repeats, small models (~1 min)
+    python benchmarks/overhead.py --quick    # smoke run: few repeats, small models (~1 min)
     python benchmarks/overhead.py --only imports --only engine    # some sections alone
 
 Run it with the interpreter of the environment to measure (``.venv/bin/python``); it puts the
@@ -53,7 +53,7 @@ SECTIONS = ("imports", "fresh", "in-process", "wrappers", "engine", "layer-calls
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few repeats and small models (CI smoke run)")
+    parser.add_argument("--quick", action="store_true", help="few repeats and small models (a smoke run)")
     parser.add_argument("--rounds", type=int, help="on/off rounds per measurement (default 12, quick 2)")
     parser.add_argument("--cpu", default="last", help="CPU to pin to: an index, 'last' (default) or 'none'")
     parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")

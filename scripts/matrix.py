@@ -197,7 +197,9 @@ def suite_command(cell: Cell) -> list[str]:
     ``any_version`` tests among them."""
     command = [str(cell.python), "-m", "pytest", "-q"]
     if cell.name != DEFAULT:
-        command += ["-m", "not e2e and not any_version", *cell_tests()]
+        # One process (-n 0): a minute of tests does not pay for two more interpreters importing the
+        # stack, and CI runs the matrix beside the end-to-end tests, which keep the other core busy.
+        command += ["-n", "0", "-m", "not e2e and not any_version", *cell_tests()]
     return command
 
 

@@ -92,19 +92,24 @@ def same_losses(first: Run, second: Run) -> bool:
 
 
 def test_zero3_default_checkpointing_trains_like_no_checkpointing(tmp_path):
-    checkpointed = run_lora(tmp_path, "zero3", "default")
-    reference = run_lora(tmp_path, "zero3", "off")
-    assert_completed(checkpointed)
-    assert_completed(reference)
-    if not same_losses(checkpointed, reference):
-        # DeepSpeed 0.19.2's ZeRO-3 on CPU ranks now and then computes a whole run's losses wrong, with or without
-        # the shim, with or without checkpointing (measured: 1 of 16 runs with the DeepSpeed patches off and no
-        # checkpointing; the other 15 bit-identical). Both runs again tell such a run from a wrong fix.
-        warnings.warn(
-            f"losses differ ({checkpointed.log_dir}, {reference.log_dir}): both runs started again", stacklevel=1
-        )
-        checkpointed = run_lora(tmp_path, "zero3", "default")
-        reference = run_lora(tmp_path, "zero3", "off")
+    checkpointed_runs = [run_lora(tmp_path, "zero3", "default")]
+    reference_runs = [run_lora(tmp_path, "zero3", "off")]
+    for run_ in checkpointed_runs + reference_runs:
+        assert_completed(run_)
+    # DeepSpeed 0.19.2's ZeRO-3 on CPU ranks now and then computes a whole run's losses wrong, with or without
+    # the shim, with or without checkpointing (measured: 1 of 16 runs with the DeepSpeed patches off and no
+    # checkpointing; more often on a loaded machine, where a rerun of the reference has also differed from the
+    # first in the fourth digit). A further pair of runs tells such a run from a wrong fix: a wrong fix never
+    # gives a checkpointed run the losses of any reference run.
+    while not (matching := [(c, r) for c in checkpointed_runs for r in reference_runs if same_losses(c, r)]):
+        if len(checkpointed_runs) == 3:
+            break
+        warnings.warn(f"losses differ ({tmp_path}): both runs started again", stacklevel=1)
+        checkpointed_runs.append(run_lora(tmp_path, "zero3", "default"))
+        reference_runs.append(run_lora(tmp_path, "zero3", "off"))
+        assert_completed(checkpointed_runs[-1])
+        assert_completed(reference_runs[-1])
+    checkpointed, reference = matching[0] if matching else (checkpointed_runs[-1], reference_runs[-1])
 
     assert_states(checkpointed, zero3_frozen_recompute=deepspeed_patch_state())
     for rank in (0, 1):
@@ -140,15 +145,9 @@ def test_zero3_modules_to_save_trains_with_the_shim(tmp_path):
 # DDP (no DeepSpeed) + PeftModel: the Trainer's find_unused_parameters.
 
 
-def test_ddp_reentrant_peft_crashes_without_the_patch(tmp_path):
-    crashed = run_lora(tmp_path, "ddp", "reentrant", DDP)
-
-    assert crashed.returncode != 0, f"bug: expected DDP to fail\n{crashed.describe()}"
-    assert "RuntimeError: Expected to mark a variable ready only once" in crashed.text, crashed.describe()
-    assert all(report["find_unused_parameters"] is True for report in crashed.reports.values())
-
-
 def test_ddp_reentrant_peft_trains_with_the_patch(tmp_path):
+    """Upstream fails here with ``Expected to mark a variable ready only once``: shown in
+    tests/e2e/test_ddp_unused.py on the same LoRA model with an unused head, and with gradient accumulation."""
     trained = run_lora(tmp_path, "ddp", "reentrant")
 
     assert_completed(trained)

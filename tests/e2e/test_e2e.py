@@ -86,29 +86,9 @@ def assert_checkpointing_intact(run: Run, ranks: int) -> None:
 # GKD under DeepSpeed ZeRO-3, two ranks: the report this project was created for (trl #6827).
 
 
-@pytest.mark.skipif(
-    not (_applies("trl", "<1.16") and _applies("deepspeed", "<=0.19.2")),
-    reason="version rule: the ZeRO-3 CheckpointError shows with trl <= 1.15 (1.16 passes the kwargs on GKD's "
-    "re-enable) and deepspeed <= 0.19.2 (PR #8148 in 0.19.3 removes the symptom)",
-)
-def test_gkd_zero3_crashes_without_the_shim(tmp_path):
-    run = run_gkd_zero3(tmp_path, shim_disabled=True)
-
-    assert run.returncode != 0, f"bug: expected the ZeRO-3 run to crash without the shim\n{run.describe()}"
-    assert "torch.utils.checkpoint.CheckpointError" in run.text, run.describe()
-    assert "Recomputed values for the following tensors have different metadata" in run.text, run.describe()
-    assert "'shape': torch.Size([0])" in run.text, run.describe()  # the partitioned ZeRO-3 parameters
-    # Before trl's generation re-enabled checkpointing, the Trainer had set it up as configured on both
-    # ranks; the crash comes in the first step's backward, so no step completed.
-    for rank, report in run.reports.items():
-        setup = report["records"][0]
-        assert setup["when"] == "train_begin"
-        assert observed_state(setup) == expected_state(report["configured"], setup["layers"])
-        assert [r for r in report["records"] if r["when"] == "step_end"] == [], f"rank {rank} completed a step"
-    assert sorted(run.reports) == [0, 1]
-
-
 def test_gkd_zero3_completes_with_the_shim(tmp_path):
+    """Without the shim this run crashes in the first backward (ZeRO-3's CheckpointError): shown on the same
+    example by tests/e2e/test_distributed.py::test_unmodified_gkd_zero3_crashes_without_shim_run."""
     run = run_gkd_zero3(tmp_path, shim_disabled=False)
 
     assert run.returncode == 0, f"the ZeRO-3 run failed with the shim on\n{run.describe()}"
