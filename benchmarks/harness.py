@@ -20,6 +20,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 import timeit
 from collections.abc import Callable
@@ -116,6 +117,15 @@ def per_call_ns(function, seconds: float) -> float:
 
 
 # -- memory -----------------------------------------------------------------------------------------
+
+
+def fixed_mmap_threshold() -> None:
+    """Re-execute this script once with glibc's mmap threshold fixed (Linux): its dynamic threshold
+    would keep freed activations in the heap and blur the per-step peaks. Call it before torch is
+    imported."""
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux"):
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def _status_kib(field: str):

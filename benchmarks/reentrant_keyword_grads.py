@@ -25,23 +25,21 @@ place and after ``shim.deactivate()``, the per-call cost of the wrapper.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import timeit
 import warnings
 from pathlib import Path
 
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ and sys.platform.startswith("linux"):
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+from harness import fixed_mmap_threshold, timed_step  # benchmarks/, first on sys.path for a script
+
+fixed_mmap_threshold()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
-from harness import timed_step  # noqa: E402  (benchmarks/, first on sys.path for a script)
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.tinymodels import quiet_transformers, tiny_llama  # noqa: E402

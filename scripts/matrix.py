@@ -133,9 +133,7 @@ print(json.dumps(dict(versions={d: version(d) for d in __DISTRIBUTIONS__}, patch
 
 def clean_env(cell: Cell) -> dict:
     """No SHIM_* settings of the developer's, no foreign PYTHONPATH or venv."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["MATRIX_CELL"] = cell.name  # tests may read it to keep heavy cases light in the matrix
-    return env
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
 def say(text: str = "") -> None:

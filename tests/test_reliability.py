@@ -494,8 +494,7 @@ def permutations() -> list:
         cases = [(order, meta, 0) for meta in (False, True) for order in orders]
     else:
         cases = [(order, index % 2 == 1, 0) for index, order in enumerate(CHOSEN)]
-    repeats = 2
-    cases += [(tuple(STEPS), meta, 4) for meta in (False, True) for _ in range(repeats)]
+    cases += [(tuple(STEPS), meta, 4) for meta in (False, True) for _ in range(2)]
     return cases
 
 
