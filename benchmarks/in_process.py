@@ -1,6 +1,7 @@
 """Load, training steps and trl's disable/enable cycles in one process (report section 3-5): shim on
 against ``shim.disabled()``, where the wrappers stay in place but inert, which isolates what runs on
-each call.
+each call; the plain cycle also against ``shim.deactivate()`` (no layers in place, as
+``SHIM_DISABLE=all``), where the layers' own cost counts too.
 
 ``from_pretrained`` of the saved model is timed call by call; a training step (reentrant and
 non-reentrant checkpointing) and trl's two cycles (``unwrap_model_for_generation`` and
@@ -14,6 +15,7 @@ from __future__ import annotations
 from harness import HEADERS, compare, comparison_row, interleave, table, timed
 from workloads import (
     batch,
+    deactivated,
     generate,
     inert,
     load,
@@ -82,6 +84,11 @@ def measure(args, directory: str, log) -> dict:
     block_on(), block_off()
     on, off = interleave(lambda: timed(block_on, n), lambda: timed(block_off, n), args.rounds * 2)
     out["cycle_plain"] = compare(on, off)
+    # The same cycle against no shim layers at all (shim.deactivate(), as SHIM_DISABLE=all): what
+    # the inert layers themselves cost is then on the shim's side too.
+    block_bare = lambda: [plain_cycle(model_off, reentrant_kwargs) for _ in range(n)]
+    on, off = interleave(lambda: timed(block_on, n), lambda: deactivated(lambda: timed(block_bare, n)), args.rounds * 2)
+    out["cycle_plain_bare"] = compare(on, off)
     del model_on, model_off
 
     log("disable/enable cycles in process")
@@ -119,6 +126,7 @@ def report(args, in_process: dict) -> list[str]:
         "step_non_reentrant": ("training step, non-reentrant", "step"),
         "generate": (f"generate(), {GENERATED_TOKENS} greedy tokens, {layers} layers", "generate"),
         "cycle_plain": (f"disable/enable(kwargs) cycle, reentrant, {layers} layers", "cycle"),
+        "cycle_plain_bare": ("the same cycle, off = shim.deactivate() (no layers)", "cycle"),
         "cycle_unwrap": (f"trl unwrap_model_for_generation cycle, {layers} layers", "cycle"),
         "cycle_disable_gc": (f"trl disable_gradient_checkpointing cycle, {layers} layers", "cycle"),
         "cycle_unwrap_deep": (f"trl unwrap_model_for_generation cycle, {deep} layers", "cycle"),

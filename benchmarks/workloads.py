@@ -111,3 +111,15 @@ def inert(function):
 
     with shim.disabled():
         return function()
+
+
+def deactivated(function):
+    """``function()`` after ``shim.deactivate()``: no layer of the shim's in place, as with
+    ``SHIM_DISABLE=all``; activated again afterwards (outside what is timed by the caller's block)."""
+    import shim
+
+    shim.deactivate()
+    try:
+        return function()
+    finally:
+        shim.activate()

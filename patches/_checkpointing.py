@@ -342,3 +342,33 @@ def enable(model, checkpoint_kwargs) -> None:
 
 def disable(model) -> None:
     method(model, DISABLE)[1]()
+
+
+class LayerMethod:
+    """``function`` bound to ``layer`` as a method is (``__func__``, ``__self__``), which also takes
+    the layer again as its first argument: handed over as ``partial(LayerMethod, layer, **kwargs)``,
+    a checkpoint function finds the layer as ``func.args[0]`` and as ``func.func.__self__``, and
+    both ``func(*args)`` and ``func.func(*args, **func.keywords)`` run ``function(layer, *args)``."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function, layer) -> None:
+        self.__func__ = function
+        self.__self__ = layer
+
+    def __call__(self, *args, **kwargs):
+        if args and args[0] is self.__self__:
+            args = args[1:]
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __getattr__(self, name: str):  # __name__, __qualname__, ... as a bound method has them
+        return getattr(self.__func__, name)
+
+    def __repr__(self) -> str:
+        name = getattr(self.__func__, "__qualname__", repr(self.__func__))
+        return f"<bound method {name} of {type(self.__self__).__name__} object>"
+
+
+def handed(function, layer, *args, **keywords):
+    """``partial(LayerMethod(function, layer), layer, *args, **keywords)``."""
+    return functools.partial(LayerMethod(function, layer), layer, *args, **keywords)

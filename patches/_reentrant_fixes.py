@@ -1,16 +1,16 @@
 """The two reentrant fixes the shim's checkpoint function (``_checkpoint_function.py``) applies to a
 checkpointed call: lifting grad-requiring keyword tensors into checkpoint inputs
 (``reentrant-keyword-grads``), and anchoring a call none of whose inputs requires grad
-(``reentrant-frozen-input-grads``). The recomputation each hands the checkpoint is a method bound
-to the layer, so a checkpoint function that finds its layer (``func.func.__self__``) keeps finding it.
+(``reentrant-frozen-input-grads``). The recomputation each hands the checkpoint carries the layer
+both ways, so a checkpoint function that finds its layer (``func.args[0]`` or ``func.func.__self__``)
+keeps finding it.
 """
 
 from __future__ import annotations
 
-import functools
-import types
-
 from shim import record_effect
+
+from ._checkpointing import handed
 
 KEYWORDS = "reentrant-keyword-grads"
 FROZEN = "reentrant-frozen-input-grads"
@@ -51,9 +51,9 @@ def wants_grad(value) -> bool:
 
 
 def _recomputation(layer, recompute):
-    """``recompute`` handed to the checkpoint function as ``partial(<method of layer>)``, so a
-    function that finds its layer through ``func.func.__self__`` (or ``func.__self__``) finds it."""
-    return functools.partial(types.MethodType(recompute, layer))
+    """``recompute`` handed to the checkpoint function with the layer both ways (``func.args[0]``
+    and ``func.func.__self__``), so a function that finds its layer finds it."""
+    return handed(recompute, layer)
 
 
 # -- reentrant-keyword-grads -----------------------------------------------------------------------

@@ -6,28 +6,24 @@ parameters, and other training frameworks' offload or selective wrappers) fail i
 once transformers checkpoints inside the layer's ``forward``: ``AttributeError: 'function' object
 has no attribute '__self__'``. The layer now hands over ``partial(forward, layer, **kwargs)``.
 
-Fix: where checkpointing is enabled with a function that is not torch's or transformers' own, the
-layers receive it as ``_checkpoint_function.LayerCheckpoint``, which hands the function
-``partial(<forward bound to the layer>, **kwargs)``: ``func.func.__self__`` is the layer and
-``func.keywords`` the keyword arguments, and calling it runs the same ``forward``. Torch's and
-transformers' functions are left as they are.
+Fix: a function that is not torch's or transformers' own, however a layer is given it
+(``_checkpoint_path.py``), reaches the layer as ``_checkpoint_function.LayerCheckpoint``, which
+hands it the layer both ways: ``partial(<forward bound to the layer>, layer, **kwargs)``, so
+``func.func.__self__`` and ``func.args[0]`` are the layer, and ``func(*args)`` as well as
+``func.func(*args, **func.keywords)`` run the same ``forward``.
 
-Limits: a function assigned to a layer's ``_gradient_checkpointing_func`` without
-``_set_gradient_checkpointing`` is not covered; a function that needs the partial's exact type or
-``func.args`` sees the older shape.
+Limits: ``func.func`` is a bound-method look-alike, not a ``types.MethodType``; a model enabled
+before ``import shim`` gets the step when its layers are next given a function.
 
 Full story, versions measured and references: docs/bugs.md#checkpoint-function-finds-layer
 """
 
 from __future__ import annotations
 
-from shim import Patch, Target
+from shim import Patch
 
-from . import _checkpoint_function
-from .reentrant_keyword_grads import _probe
-
-NAME = _checkpoint_function.FINDS_LAYER
-
+from . import _checkpoint_path
+from ._checkpoint_function import FINDS_LAYER as NAME
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -56,13 +52,7 @@ PATCH = Patch(
     summary="A checkpoint function of your own finds its layer through the partial (func.func.__self__).",
     distribution="transformers",
     requires=">=5.23",
-    targets=(
-        Target(
-            "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _checkpoint_function.install,
-            probe=_probe,
-        ),
-    ),
+    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     self_check=_self_check,
     after=("replaced-forward-keeps-checkpointing",),

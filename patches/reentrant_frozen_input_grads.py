@@ -7,27 +7,24 @@ trainable parameters no gradient, nor does any checkpointed layer after it: the 
 checkpoint's output joins the graph only through inputs that require grad.
 
 Fix: the same checkpoint function as ``reentrant-keyword-grads`` (``_checkpoint_function.py``; the two never
-act on one call). A reentrant call in grad mode with no grad-requiring input, on a layer with a
+act on one call), given to layers on the same path (``_checkpoint_path.py``). A reentrant call in grad mode with no grad-requiring input, on a layer with a
 trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires grad (an
 anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
 sees upstream's inputs. A call that leaves the trainable parameters unused still backpropagates.
 
 Limits: parameters must be registered on the layer (FSDP1 flat parameters are left to upstream);
-functions assigned without ``_set_gradient_checkpointing`` run as upstream's; a custom reentrant
-checkpoint function must accept a zero-size input.
+a custom reentrant checkpoint function must accept a zero-size input; a model enabled before
+``import shim`` gets the step when its layers are next given a function.
 
 Full story, versions measured and references: docs/bugs.md#reentrant-frozen-input-grads
 """
 
 from __future__ import annotations
 
-from shim import Patch, Target
+from shim import Patch
 
-from . import _checkpoint_function
-from .reentrant_keyword_grads import _probe
-
-NAME = _checkpoint_function.FROZEN
-
+from . import _checkpoint_path
+from ._reentrant_fixes import FROZEN as NAME
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -46,13 +43,7 @@ PATCH = Patch(
     summary="Reentrant checkpointing gives trainable parameters their gradients when a layer's inputs are frozen.",
     distribution="transformers",
     requires=">=4.57",
-    targets=(
-        Target(
-            "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _checkpoint_function.install,
-            probe=_probe,
-        ),
-    ),
+    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
     references=(
         "docs/bugs.md#reentrant-frozen-input-grads",
         "huggingface/transformers#21381",

@@ -6,34 +6,26 @@ layer's own weights and everything before it) no gradient: only positional argum
 of ``torch.utils.checkpoint``; keywords ride hidden in a ``partial``. The only trace is torch's
 ``UserWarning: None of the inputs have requires_grad=True``.
 
-Fix: where checkpointing is enabled (``_set_gradient_checkpointing``), a reentrant checkpoint
-function is handed to the layers as ``_checkpoint_function.LayerCheckpoint``, upstream's partial with one
-more step per call: grad-requiring tensors in the keywords (also nested in tuples, lists, dicts)
-become extra checkpoint inputs, put back into their keyword places on every run of the layer. Layer
-calls that do not checkpoint, and non-reentrant checkpointing, run no shim code at all.
+Fix: whenever a layer is given a reentrant checkpoint function (an enable, a restore, a direct
+assignment, an unpickled model: ``_checkpoint_path.py``), it receives it as
+``_checkpoint_function.LayerCheckpoint``, upstream's partial with one more step per call:
+grad-requiring tensors in the keywords (also nested in tuples, lists, dicts) become extra checkpoint
+inputs, put back into their keyword places on every run of the layer. Layer calls that do not
+checkpoint, and non-reentrant checkpointing, run no code of this patch.
 
-Limits: tensors in other containers (dataclasses, ``ModelOutput``) are not lifted; a function
-assigned to a layer's ``_gradient_checkpointing_func`` without ``_set_gradient_checkpointing`` runs
-as upstream's; a layer's ``forward`` called directly is not covered.
+Limits: tensors in other containers (dataclasses, ``ModelOutput``) are not lifted; a layer's
+``forward`` called directly is not covered; a model enabled before ``import shim`` gets the step
+when its layers are next given a function.
 
 Full story, versions measured and references: docs/bugs.md#reentrant-keyword-grads
 """
 
 from __future__ import annotations
 
-from shim import Patch, Target
+from shim import Patch
 
-from . import _checkpoint_function
-from ._arguments import leading_parameters
-
-NAME = _checkpoint_function.KEYWORDS
-
-
-def _probe(original) -> str | None:
-    return (
-        leading_parameters(original, ("self", "enable", "gradient_checkpointing_func")) or _checkpoint_function.probe()
-    )
-
+from . import _checkpoint_path
+from ._reentrant_fixes import KEYWORDS as NAME
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -57,13 +49,7 @@ PATCH = Patch(
     summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
     distribution="transformers",
     requires=">=4.57",
-    targets=(
-        Target(
-            "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _checkpoint_function.install,
-            probe=_probe,
-        ),
-    ),
+    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     self_check=_self_check,
     after=("checkpointing-restore",),

@@ -1,34 +1,47 @@
 """``replaced-forward-keeps-checkpointing``: a layer class whose ``forward`` was replaced still checkpoints.
 
 Symptom (silent): transformers checkpoints a layer inside a wrapper it puts on each layer class's
-``forward`` when the class is created, and only while ``type(layer).forward`` is that wrapper. Code
-that replaces ``LayerClass.forward`` afterwards (kernel libraries, tracers, a user's own patch, a
-wrapt wrapper) turns checkpointing off for every layer of that class: no error, no warning, the
-memory saving gone.
+``forward``, only while ``type(layer).forward`` is that wrapper. Replacing ``LayerClass.forward``
+afterwards (kernel libraries, tracers, your own patch) turns checkpointing off for every layer of
+that class: no error, no warning, the memory saving gone.
 
-Fix: when checkpointing is enabled (``_set_gradient_checkpointing``), each checkpointing layer
-class whose ``forward`` is no longer transformers' wrapper gets transformers' own wrapper again
-(``GradientCheckpointingLayer.__init_subclass__``), around its current ``forward``: the replacement
-still runs, inside the checkpoint. An effect names the class. Classes that define their own
-``forward`` are wrapped by transformers itself and left alone.
+Fix: when a layer is given a checkpoint function (``_checkpoint_path.py``), its class is looked at
+once per ``forward`` object. A replacement gets transformers' own wrapper again
+(``GradientCheckpointingLayer.__init_subclass__``) and still runs, inside the checkpoint; a
+``staticmethod``, ``classmethod`` or wrapt one is called as attribute lookup binds it. Left alone,
+as upstream checkpoints them: transformers' wrapper, a ``torch.compile`` of it, and a replacement
+that checkpoints itself (its code reads ``_gradient_checkpointing_func``). When the patch goes off,
+each class gets the user's object back; when it comes back on, the wrapper again.
 
-Limits: a ``forward`` replaced after the enable stops checkpointing again until the next enable.
+Limits: while on, the class holds transformers' wrapper around the user's object (``__wrapped__``);
+a ``forward`` replaced after its layers were given their function checkpoints again only when a
+layer of that class is next given one.
 
 Full story, versions measured and references: docs/bugs.md#replaced-forward-keeps-checkpointing
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import types
+import weakref
 
-from shim import Patch, Target, record_effect
+from shim import Patch, record_effect, switch_of
 
-from ._arguments import argument, leading_parameters
-from ._checkpointing import checkpointing_modules
+from . import _checkpoint_path
+from ._checkpointing import MISSING
 
 NAME = "replaced-forward-keeps-checkpointing"
 _wrapper_code: list = []  # the code object of transformers' checkpointing wrapper, found once
+# class -> the forward last looked at (a plain dict, read on every assignment; cleared when it grows
+# large, so that classes made on the fly are not kept alive)
+_judged: dict = {}
+# class -> (the user's forward, transformers' wrapper the shim put around it, whether the user's was the class's own)
+_rewrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.RLock()
+_watching: list = []
 
 
 def _checkpointing_wrapper_code(layers):
@@ -44,43 +57,142 @@ def _checkpointing_wrapper_code(layers):
     return _wrapper_code[0]
 
 
+def _own_forward(cls):
+    """``forward`` as the class holds it (the first definition along its MRO), unbound."""
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            return vars(klass)["forward"], klass is cls
+    return MISSING, False
+
+
+def _chain(forward):
+    """``forward`` and what it wraps: ``__wrapped__`` (functools.wraps, wrapt), ``__func__``
+    (staticmethod, classmethod), what ``torch.compile`` compiled; outermost first."""
+    seen = []
+    while forward is not None and all(forward is not other for other in seen) and len(seen) < 32:
+        seen.append(forward)
+        inner = getattr(forward, "_torchdynamo_orig_callable", None)
+        if inner is None:
+            inner = getattr(forward, "__wrapped__", None)
+        if inner is None and isinstance(forward, (staticmethod, classmethod)):
+            inner = forward.__func__
+        forward = inner
+    return seen
+
+
+def _is_wrapper(function, code) -> bool:
+    return type(function) is types.FunctionType and function.__code__ is code
+
+
+def checks(forward, layers) -> str:
+    """How layers whose class holds ``forward`` checkpoint: ``"stock"`` (transformers' wrapper),
+    ``"compiled"`` (``torch.compile`` of it), ``"own"`` (a replacement that checkpoints itself), or
+    ``"replaced"`` (upstream does not checkpoint them)."""
+    code = _checkpointing_wrapper_code(layers)
+    if _is_wrapper(forward, code):
+        return "stock"
+    chain = _chain(forward)
+    if getattr(forward, "_torchdynamo_orig_callable", None) is not None and any(_is_wrapper(f, code) for f in chain):
+        return "compiled"
+    for function in chain:
+        if _is_wrapper(function, code):
+            break  # what transformers' wrapper wraps checkpoints only through it
+        # A function's own code (a wrapt proxy would answer with the wrapped function's), and a
+        # wrapt proxy's wrapper function, which is what runs.
+        for candidate in (function, getattr(function, "_self_wrapper", None)):
+            if type(candidate) is types.FunctionType and _checkpoint_path.NAME in candidate.__code__.co_names:
+                return "own"
+    return "replaced"
+
+
 def checkpoints(cls, layers) -> bool:
-    """Whether instances of ``cls`` checkpoint when enabled: ``cls.forward``, looked up as transformers
-    looks it up, is transformers' own wrapper (a plain function with its code)."""
-    forward = cls.forward
-    return type(forward) is types.FunctionType and forward.__code__ is _checkpointing_wrapper_code(layers)
+    """Whether layers of ``cls`` checkpoint when their flag is set, without this patch."""
+    return checks(_own_forward(cls)[0], layers) != "replaced"
 
 
-def _set_gradient_checkpointing(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    if instance is None or not argument(args, kwargs, 0, "enable", True):
-        return result
+def _as_method(forward):
+    """What transformers' wrapper can call as ``forward(self, *args, **kwargs)``: a plain function
+    as it is; any other object (``staticmethod``, ``classmethod``, wrapt) bound to the layer as
+    attribute lookup binds it."""
+    if type(forward) is types.FunctionType:
+        return forward
+
+    def bound_forward(self, *args, **kwargs):
+        return forward.__get__(self, type(self))(*args, **kwargs)
+
+    functools.update_wrapper(bound_forward, getattr(forward, "__func__", forward))
+    bound_forward.__wrapped__ = forward
+    return bound_forward
+
+
+def _rewrap(cls, forward, own: bool, layers) -> None:
+    """transformers' own mechanism run again for ``cls``: its wrapper around the current forward."""
+    cls.forward = _as_method(forward)
+    layers.GradientCheckpointingLayer.__dict__["__init_subclass__"].__func__(cls)
+    _rewrapped[cls] = (forward, vars(cls)["forward"], own)
+    _watch()
+
+
+def _judge(cls) -> None:
+    """Look at ``cls``'s forward once per forward object; wrap a replacement again."""
+    judged = _judged.get(cls)
+    if judged is not None and judged is cls.__dict__.get("forward", judged):
+        return  # the usual case: the forward the class defines itself, already looked at
+    forward, own = _own_forward(cls)
+    if judged is forward:
+        return
     layers = sys.modules.get("transformers.modeling_layers")
-    if layers is None:
-        return result
-    classes = {type(m) for m in checkpointing_modules(instance) if isinstance(m, layers.GradientCheckpointingLayer)}
-    for cls in classes:
-        if not checkpoints(cls, layers):
-            # transformers' own mechanism, run again for this class: it wraps the current forward.
-            layers.GradientCheckpointingLayer.__dict__["__init_subclass__"].__func__(cls)
+    if layers is None or forward is MISSING:
+        return
+    with _lock:
+        if checks(forward, layers) == "replaced":
+            _rewrap(cls, forward, own, layers)
             record_effect(
                 NAME,
                 "%s.forward was replaced after transformers wrapped it for checkpointing, which turned "
                 "checkpointing off for its layers; the shim wrapped the replacement again",
                 cls.__name__,
             )
-    return result
+        if len(_judged) > 1024:
+            _judged.clear()
+        _judged[cls] = _own_forward(cls)[0]
 
 
-def _probe(original) -> str | None:
-    problem = leading_parameters(original, ("self", "enable"))
-    if problem:
-        return problem
+def _assigned(layer, function):
+    """Slot wrapper: a layer given a function gets a class that checkpoints."""
+    if callable(function):
+        _judge(type(layer))
+    return function
+
+
+# -- following the switch --------------------------------------------------------------------------
+
+
+def _watch() -> None:
+    if not _watching:
+        _watching.append(True)
+        switch_of(NAME).watch(_switched)
+
+
+def _switched(on: bool) -> None:
+    """Off: each class the shim wrapped gets the user's forward back; on: the wrapper again."""
+    with _lock:
+        for cls, (forward, wrapper, own) in list(_rewrapped.items()):
+            current = vars(cls).get("forward", MISSING)
+            if not on and current is wrapper:
+                if own:
+                    cls.forward = forward
+                else:
+                    delattr(cls, "forward")
+            elif on and (current is forward or (not own and current is MISSING)):
+                cls.forward = wrapper
+            _judged.pop(cls, None)
+
+
+def _probe(layer_class) -> str | None:
     layers = sys.modules.get("transformers.modeling_layers")
-    if layers is None or getattr(getattr(layers, "__spec__", None), "_initializing", False):
-        return None  # checked by the self-check; the enable path finds the module imported
-    init_subclass = layers.GradientCheckpointingLayer.__dict__.get("__init_subclass__")
-    if not isinstance(init_subclass, classmethod) or _checkpointing_wrapper_code(layers) is None:
+    init_subclass = vars(layer_class).get("__init_subclass__")
+    if layers is None or not isinstance(init_subclass, classmethod) or _checkpointing_wrapper_code(layers) is None:
         return "GradientCheckpointingLayer no longer wraps each layer class's forward in __init_subclass__"
     return None
 
@@ -105,13 +217,7 @@ PATCH = Patch(
     summary="A layer class whose forward was replaced after import still checkpoints when checkpointing is on.",
     distribution="transformers",
     requires=">=5.23",
-    targets=(
-        Target(
-            "transformers.modeling_utils:PreTrainedModel._set_gradient_checkpointing",
-            _set_gradient_checkpointing,
-            probe=_probe,
-        ),
-    ),
+    targets=_checkpoint_path.targets(_assigned, probe=_probe),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
     self_check=_self_check,
     after=("reentrant-frozen-input-grads",),

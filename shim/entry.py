@@ -99,9 +99,12 @@ class Entry:
         if self.layers is None:
             self.layers = Layers(patch.name)
         try:
-            self.switch, missed = self.layers.wrap(patch, resolution.targets, self.switch)
+            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch)
         except Exception as exc:
             return self.give_up(FAILED, f"wrapping failed and was rolled back: {exc!r}")
+        if switch is not self.switch:  # adopted a layer already there, with its switch
+            switch.adopt_watchers(self.switch)
+            self.switch = switch
         self.reasons.extend(missed)
         if late is not None and resolution.targets:
             self.reasons.append(late)

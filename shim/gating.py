@@ -48,7 +48,7 @@ def pending(declared: Declared, reason: str, forced: bool) -> tuple[str, str, st
 class Resolved(NamedTuple):
     target: Target
     module: Any  # the imported module object
-    original: object  # what the target path holds now
+    original: object  # what the target path holds now (for an assign target: what the class holds, or wrapt.MISSING)
 
 
 class Resolution(NamedTuple):
@@ -59,7 +59,7 @@ class Resolution(NamedTuple):
 
 def resolve(patch: Patch, module_names: list[str], decision: Gate) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here."""
-    from . import wrapping
+    from . import assignment, wrapping
 
     resolved, notes = [], []
     for target in patch.targets:
@@ -70,12 +70,16 @@ def resolve(patch: Patch, module_names: list[str], decision: Gate) -> Resolution
             notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
         module = sys.modules[target.module]
+        owner: object
         try:
-            original = wrapping.resolve(module, target.path)
+            if target.assign:  # the class must exist; the attribute need not
+                owner, original = assignment.resolve_assigned(module, target.path)
+            else:
+                owner = original = wrapping.resolve(module, target.path)
         except wrapping.PathResolutionError:
             missing = f"target {target.spec} does not exist in {decision.decision.installed}"
             return Resolution([], notes, (SKIPPED, missing))
-        problem = _probe(patch, target, original, decision.decision.reason)
+        problem = _probe(patch, target, owner, decision.decision.reason)
         if problem is not None:
             return Resolution([], notes, problem)
         resolved.append(Resolved(target, module, original))

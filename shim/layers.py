@@ -70,7 +70,7 @@ class Layers:
                 switch = wrapping.switch_of(handle)
                 original = handle.__wrapped__
             else:
-                handle = wrapping.install(module, target.path, patch.name, target.wrapper, switch)
+                handle = wrapping.install(module, target.path, patch.name, target.wrapper, switch, target.assign)
             owner, attribute = wrapping.owner_of(module, target.path)
             layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
             self.installed.append(layer)

@@ -15,6 +15,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+#: An assign target's wrapper: ``wrapper(instance, value) -> the value to store``.
+Assigned = Callable[[Any, Any], Any]
 
 _NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
@@ -51,12 +53,19 @@ class Target:
     ``"transformers>=5.23"`` or ``"trl>=0.26"``; outside it the target is left alone (that is not an
     error). ``probe(original)`` returns ``None`` when the object to wrap still has the shape the
     wrapper expects, or a short reason; a reason skips the whole patch.
+
+    ``assign=True``: the target, ``"package.module:Class.attribute"``, is an attribute that
+    instances of the class are assigned (it need not exist on the class). The wrapper is then
+    ``wrapper(instance, value)``: it sees every value assigned to the attribute on an instance and
+    returns the value to store; reads return what was stored, as without the shim. The probe is
+    given the class.
     """
 
     spec: str
-    wrapper: Wrapper
+    wrapper: Wrapper | Assigned
     requires: str = ""
     probe: Callable[[object], str | None] | None = None
+    assign: bool = False
     requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,8 @@ class Target:
             raise TypeError(f"target {self.spec!r}: the wrapper must be a callable (wrapped, instance, args, kwargs)")
         if self.probe is not None and not callable(self.probe):
             raise TypeError(f"target {self.spec!r}: the probe must be a callable (original) -> reason or None")
+        if self.assign and "." not in self.path:
+            raise ValueError(f"target {self.spec!r}: assign=True needs 'package.module:Class.attribute'")
         if self.requires:
             try:
                 object.__setattr__(self, "requirement", TargetRequirement(self.requires))

@@ -87,7 +87,8 @@ def reentrant_changes_grads(model: Any, grads_of: Callable[[Any], Grads]) -> boo
 
 def checkpointed_layer_calls(model: Any, step: Callable[[], object]) -> int:
     """How many times ``step()`` calls a layer's checkpoint function (counted around what each
-    checkpointing layer holds, put back afterwards)."""
+    checkpointing layer holds, put back afterwards; written to the layers' ``__dict__``, so that
+    counting does not hand them a new function, which the shim's patches would act on)."""
     calls = []
     held = {}
 
@@ -102,12 +103,12 @@ def checkpointed_layer_calls(model: Any, step: Callable[[], object]) -> int:
         function = module.__dict__.get("_gradient_checkpointing_func")
         if function is not None:
             held[module] = function
-            module._gradient_checkpointing_func = counting(function)
+            module.__dict__["_gradient_checkpointing_func"] = counting(function)
     try:
         step()
     finally:
         for module, function in held.items():
-            module._gradient_checkpointing_func = function
+            module.__dict__["_gradient_checkpointing_func"] = function
     return len(calls)
 
 

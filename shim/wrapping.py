@@ -17,6 +17,7 @@ from typing import Any
 
 import wrapt
 
+from . import assignment
 from .switch import Switch
 
 # Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
@@ -150,8 +151,14 @@ def _drop_dispatch(owner: object, attribute: str) -> None:
         delattr(owner, attribute)
 
 
-def install(module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch) -> Any:
-    """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle."""
+def install(
+    module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch, assign: bool = False
+) -> Any:
+    """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle.
+    ``assign``: ``wrapper(instance, value)`` is given each value assigned to an instance attribute
+    and returns the value to store (:class:`_AssignmentLayer`)."""
+    if assign:
+        return assignment.install(module, path, name, wrapper, switch)
     parent, attribute, _original = wrapt.resolve_path(module, path)
     owner = parent if isinstance(parent, type) else None
     inherited = owner is not None and attribute not in vars(owner)
@@ -170,6 +177,12 @@ def install(module: object, path: str, name: str, wrapper: Callable[..., Any], s
 
 def remove(module: object, path: str, handle: object) -> str | None:
     """Remove our layer only, whatever sits above it; returns a reason when it cannot be removed."""
+    if type(handle) is assignment.AssignmentLayer:
+        if assignment.remove(module, path, handle) or not wrapt.is_wrapped_by(
+            getattr(handle.owner, handle.attribute, None), handle
+        ):
+            return None
+        return f"{handle!r} is under another descriptor of {handle.owner.__qualname__}.{handle.attribute}"
     try:
         wrapt.unwrap_object(module, path, handle, missing_ok=True)
     except wrapt.WrapperNotOutermostError as exc:

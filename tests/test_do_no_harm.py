@@ -115,6 +115,8 @@ def assert_same(off: dict, on: dict, cases: list) -> None:
 
 EVERYDAY = ["generate", "save-load", "copy-pickle", "branch-trainable", "branch-frozen", "trainer-model-init"]
 EVERYDAY += ["own-checkpoint-function", "replaced-forward", "fsdp2-activation-checkpointing"]
+EVERYDAY += ["reentrant-round-trip-cycle", "checkpoint-function-args", "compiled-layer-forward"]
+EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-forward-switched-off"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

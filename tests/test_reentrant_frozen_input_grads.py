@@ -79,9 +79,9 @@ def switched_off(*names):
 
 def test_patch_is_applied_and_stacked_with_reentrant_keyword_grads():
     assert shim.registry.is_on(NAME) and shim.registry.is_on(KEYWORDS)
-    enable_path = transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing
-    assert find_shim_wrapper(enable_path, NAME) is not None
-    assert find_shim_wrapper(enable_path, KEYWORDS) is not None
+    slot = transformers.modeling_layers.GradientCheckpointingLayer._gradient_checkpointing_func
+    assert find_shim_wrapper(slot, NAME) is not None
+    assert find_shim_wrapper(slot, KEYWORDS) is not None
 
 
 @pytest.mark.parametrize("build", [frozen_vit, frozen_input_llama], ids=["vit", "llama-inputs-embeds"])

@@ -18,7 +18,7 @@ from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
 import shim
-from shim.patches import _checkpoint_function, _reentrant_fixes
+from shim.patches import _checkpoint_function, _checkpoint_path, _reentrant_fixes
 from shim.patches._checkpoint_function import LayerCheckpoint
 from shim.patches._checkpointing import is_reentrant, same_function
 from shim.tinymodels import quiet_transformers, tiny_llama_config
@@ -87,7 +87,7 @@ def input_ids(model, batch=2, length=8):
 
 def test_patch_is_applied():
     assert shim.registry.is_on(NAME)
-    assert _checkpoint_function.probe() is None
+    assert _checkpoint_path.probe(transformers.modeling_layers.GradientCheckpointingLayer) is None
 
 
 # -- the measured case -------------------------------------------------------------------------
@@ -495,26 +495,26 @@ def test_probe_detects_a_changed_call_shape(monkeypatch):
                 return self._gradient_checkpointing_func(lambda *a: super(Changed, self).__call__(*a, **kwargs), *args)
             return super().__call__(*args, **kwargs)
 
-    monkeypatch.setattr(transformers.modeling_layers, "GradientCheckpointingLayer", Changed)
-    assert "functools.partial" in _checkpoint_function.probe()
+    assert "functools.partial" in _checkpoint_path.probe(Changed)
 
 
-def test_no_class_level_layer_and_deactivate_restores_the_enable_path():
+def test_no_class_level_layer_and_deactivate_restores_the_layers_class():
     run_python(
         """
         import torch, transformers.modeling_layers as layers, transformers.modeling_utils as utils
-        call, forward = vars(layers.GradientCheckpointingLayer).get("__call__"), torch.nn.Module.__call__
-        original = vars(utils.PreTrainedModel)["_set_gradient_checkpointing"]
+        layer_class = layers.GradientCheckpointingLayer
+        call, forward = vars(layer_class).get("__call__"), torch.nn.Module.__call__
+        before = dict(vars(layer_class))
         import shim
         from shim.wrapping import find_shim_wrapper
         assert shim.registry.is_on("reentrant-keyword-grads") and shim.registry.is_on("reentrant-frozen-input-grads")
         # nothing of the shim's on the layer's call path
-        assert vars(layers.GradientCheckpointingLayer).get("__call__") is call and torch.nn.Module.__call__ is forward
-        enable = vars(utils.PreTrainedModel)["_set_gradient_checkpointing"]
-        assert find_shim_wrapper(enable, "reentrant-keyword-grads") is not None
-        assert find_shim_wrapper(enable, "reentrant-frozen-input-grads") is not None  # stacked on it
+        assert vars(layer_class).get("__call__") is call and torch.nn.Module.__call__ is forward
+        slot = vars(layer_class)["_gradient_checkpointing_func"]  # the assignments of the function
+        assert find_shim_wrapper(slot, "reentrant-keyword-grads") is not None
+        assert find_shim_wrapper(slot, "reentrant-frozen-input-grads") is not None  # stacked on it
         shim.deactivate()
-        assert vars(utils.PreTrainedModel)["_set_gradient_checkpointing"] is original
+        assert dict(vars(layer_class)) == before
         shim.activate()
         assert shim.registry.is_on("reentrant-keyword-grads")
         """

@@ -680,7 +680,7 @@ def test_a_finder_in_front_of_the_shims_leaves_no_patch_pending():
     # shim's finder on its way: that import notices modeling_utils, and its patches apply once it
     # has finished. They used to stay pending, "applies when transformers.modeling_utils is imported".
     out = run_script(FINDER_IN_FRONT, timeout=180)
-    state, reason = out["reentrant-keyword-grads"]
+    state, reason = out["checkpointing-restore"]
     assert state == "applied", reason
     assert "late: transformers.modeling_utils was imported without passing the shim's import hook" in reason
     assert all(state != "pending" or "modeling_utils" not in reason for state, reason in out.values()), out

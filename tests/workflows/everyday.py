@@ -22,17 +22,42 @@
   original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
 - ``fsdp2-activation-checkpointing``: accelerate's ``fsdp2_apply_ac`` (one process, a stand-in
   accelerator) on a Llama without dropout: one training step.
+
+The checkpointing path (``tests/test_checkpointing_path.py``); each records only what upstream and a
+fixed shim share, and says ``skipped`` where its shape does not exist in the installed transformers:
+
+- ``reentrant-round-trip-cycle`` (from 5.0): a keyword-driven Llama and a frozen-input Llama enabled
+  reentrant, pickled or saved with ``torch.save`` and loaded, then trl's disable/enable cycle (the bare
+  pair before trl 0.26): each layer's flag and the parameters whose gradient differs from a run
+  without checkpointing (upstream's re-enable is non-reentrant, the shim keeps it reentrant: both right).
+- ``checkpoint-function-args`` (from 5.23): a function of one's own that finds its layer as
+  ``func.args[0]`` and checkpoints only layers with a trainable parameter, reentrant and not, through
+  ``_set_gradient_checkpointing`` and assigned after an enable: one training step.
+- ``compiled-layer-forward`` (from 5.23): ``LlamaDecoderLayer.forward`` compiled (``eager``),
+  checkpointing reentrant and not: how often each layer's attention runs in a step, and the step.
+- ``self-checkpointing-forward`` (from 5.23): ``LlamaDecoderLayer.forward`` replaced by a forward that
+  checkpoints itself: attention runs, checkpoint-function calls, and the step.
+- ``replaced-forward-switched-off`` (from 5.23): a replaced ``forward``, checkpointing enabled once with
+  the shim as it is, then a new model while ``replaced-forward-keeps-checkpointing`` is switched off
+  (``shim.disable``, ``shim.disabled()``, ``shim.deactivate()``): not checkpointed, the class holding
+  the replacement; the step.
+- ``staticmethod-forward`` (from 5.23): ``LlamaDecoderLayer.forward`` a ``staticmethod`` (an identity
+  layer), checkpointing reentrant and not: one training step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import io
 import pickle
 import sys
 import tempfile
 
 import torch
+import transformers
+from packaging.version import Version
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim import tinymodels, tinysteps
@@ -281,6 +306,263 @@ def fsdp2_activation_checkpointing() -> dict:
     return {"loss": record["loss"], "grads": record["grads"]}
 
 
+# -- the checkpointing path -------------------------------------------------------------------------
+
+TRANSFORMERS = Version(transformers.__version__)
+REPLACED_FORWARD = "replaced-forward-keeps-checkpointing"
+
+
+def skipped_before(version: str):
+    """A record saying the case's shape does not exist before transformers ``version``, or None."""
+    if TRANSFORMERS < Version(version):
+        return {"skipped": f"transformers {transformers.__version__} < {version}"}
+    return None
+
+
+def keyword_driven():
+    """A Llama whose layers are called with ``hidden_states=``: the model and its gradients' function."""
+    model = llama(3).train()
+    ids = input_ids()
+    return model, lambda m: tinysteps.keyword_driven_grads(m, ids)
+
+
+def frozen_input():
+    model, loss_of = tinymodels.frozen_input_llama()
+    return model, lambda m: tinysteps.trainable_grads(m, loss_of)
+
+
+def pickled(model):
+    return pickle.loads(pickle.dumps(without_input_hook(model)))
+
+
+def torch_saved(model):
+    buffer = io.BytesIO()
+    torch.save(without_input_hook(model), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def generation_cycle(model) -> str:
+    """What trl does around a generation step: disable, re-enable without arguments."""
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+    except ImportError:
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable()
+        return "bare disable/enable"
+    with disable_gradient_checkpointing(model, None):
+        pass
+    return "trl disable_gradient_checkpointing"
+
+
+def reentrant_round_trip_cycle() -> dict:
+    skipped = skipped_before("5.0")  # 4.x re-enables reentrant: upstream loses the gradients the shim keeps
+    if skipped:
+        return skipped
+    records = {}
+    for trip, load in (("pickle", pickled), ("torch.save", torch_saved)):
+        for name, build in (("keyword-driven", keyword_driven), ("frozen-input", frozen_input)):
+            model, grads_of = build()
+            reference = grads_of(model)
+            tinysteps.enable_checkpointing(model, {"use_reentrant": True})
+            model = load(model)
+            cycle = generation_cycle(model)
+            records[f"{trip}, {name}"] = {
+                "cycle": cycle,
+                "flags": [layer.gradient_checkpointing for layer in model.model.layers],
+                "wrong": sorted(tinysteps.wrong_grads(reference, grads_of(model))),
+            }
+    return records
+
+
+def frozen_first_layer_llama(layers: int = 3):
+    model = llama(layers).train()
+    model.model.layers[0].requires_grad_(False)
+    return model
+
+
+def step_record(model) -> dict:
+    """One training step: its loss, the gradients' digest."""
+    record = one_step(model)
+    return {"loss": record["loss"], "grads": record["grads"]}
+
+
+def checkpoint_function_args() -> dict:
+    skipped = skipped_before("5.23")  # the layer hands over partial(forward, layer) from 5.23
+    if skipped:
+        return skipped
+    from torch.utils.checkpoint import checkpoint
+
+    def finds_layer_in_args(reentrant):
+        def checkpoint_trainable_layers(func, *args, **kwargs):
+            layer = func.args[0]
+            if any(p.requires_grad for p in layer.parameters()):
+                return checkpoint(func, *args, use_reentrant=reentrant, **kwargs)
+            return func(*args, **kwargs)
+
+        return checkpoint_trainable_layers
+
+    records = {}
+    for reentrant in (True, False):
+        model = frozen_first_layer_llama()
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=finds_layer_in_args(reentrant))
+        records[f"_set_gradient_checkpointing, use_reentrant={reentrant}"] = step_record(model)
+        model = frozen_first_layer_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func = finds_layer_in_args(reentrant)
+        records[f"enable, then assign, use_reentrant={reentrant}"] = step_record(model)
+    return records
+
+
+def counted_step(model, count_calls: bool = True) -> dict:
+    """One training step, with how many times each layer's attention ran and (``count_calls``) how many
+    times a layer's checkpoint function was called (counted through the layers' ``__dict__``)."""
+    attention = [0] * len(model.model.layers)
+
+    def hook(index):
+        return lambda *_: attention.__setitem__(index, attention[index] + 1)
+
+    handles = [layer.self_attn.register_forward_hook(hook(index)) for index, layer in enumerate(model.model.layers)]
+    calls, held = [], {}
+
+    def counting(function):
+        def call(*args, **kwargs):
+            calls.append(1)
+            return function(*args, **kwargs)
+
+        return call
+
+    for layer in model.model.layers if count_calls else ():
+        function = layer.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            held[layer] = function
+            layer.__dict__["_gradient_checkpointing_func"] = counting(function)
+    try:
+        record = step_record(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer, function in held.items():
+            layer.__dict__["_gradient_checkpointing_func"] = function
+    record["attention runs"] = attention
+    if count_calls:
+        record["checkpoint calls"] = len(calls)
+    return record
+
+
+@contextlib.contextmanager
+def layer_forward(forward):
+    """``LlamaDecoderLayer.forward`` set to ``forward`` (a function of the original) inside the block,
+    put back after it."""
+    from transformers.models.llama import modeling_llama
+
+    cls = modeling_llama.LlamaDecoderLayer
+    saved = vars(cls)["forward"]
+    cls.forward = forward(cls.forward)
+    try:
+        yield cls
+    finally:
+        cls.forward = saved
+
+
+def compiled_layer_forward() -> dict:
+    skipped = skipped_before("5.23")  # transformers checkpoints inside the class's forward from 5.23
+    if skipped:
+        return skipped
+    records = {}
+    for reentrant in (True, False):
+        with layer_forward(lambda original: torch.compile(original, backend="eager")):
+            model = llama(2).train()
+            tinysteps.enable_checkpointing(model, {"use_reentrant": reentrant})
+            records[f"use_reentrant={reentrant}"] = counted_step(model, count_calls=False)
+        torch._dynamo.reset()
+    return records
+
+
+def self_checkpointing_forward() -> dict:
+    skipped = skipped_before("5.23")
+    if skipped:
+        return skipped
+
+    def checkpointing_itself(original):
+        def forward(self, *args, **kwargs):
+            if self.gradient_checkpointing and self.training:
+                return self._gradient_checkpointing_func(functools.partial(original, self, **kwargs), *args)
+            return original(self, *args, **kwargs)
+
+        return forward
+
+    records = {}
+    for reentrant in (True, False):
+        with layer_forward(checkpointing_itself):
+            model = frozen_first_layer_llama(2)
+            tinysteps.enable_checkpointing(model, {"use_reentrant": reentrant})
+            records[f"use_reentrant={reentrant}"] = counted_step(model)
+    return records
+
+
+@contextlib.contextmanager
+def switched_off(how: str):
+    """``replaced-forward-keeps-checkpointing`` off inside the block, ``how`` says by what; as it was after."""
+    if how == "shim.disable(name)":
+        was_on = any(p.name == REPLACED_FORWARD and p.state == "applied" for p in shim.status())
+        shim.disable(REPLACED_FORWARD)
+        try:
+            yield
+        finally:
+            if was_on:
+                shim.enable(REPLACED_FORWARD)
+    elif how == "shim.deactivate()":
+        shim.deactivate()
+        try:
+            yield
+        finally:
+            shim.activate()
+    else:
+        with shim.disabled():
+            yield
+
+
+def replaced_forward_switched_off() -> dict:
+    skipped = skipped_before("5.23")
+    if skipped:
+        return skipped
+
+    def replaced(original):
+        return lambda self, *args, **kwargs: original(self, *args, **kwargs)
+
+    def checkpointed_step():
+        model = llama(3).train()
+        tinysteps.enable_checkpointing(model, {"use_reentrant": False})
+        return counted_step(model)
+
+    records = {}
+    with layer_forward(replaced) as cls:
+        replacement = vars(cls)["forward"]
+        checkpointed_step()  # the shim as it is (its outcome differs from upstream's: not recorded)
+        for how in ("shim.disable(name)", "shim.disabled()", "shim.deactivate()"):
+            with switched_off(how):
+                record = checkpointed_step()
+                record["the class holds the replacement"] = vars(cls)["forward"] is replacement
+            records[how] = record
+            checkpointed_step()  # switched back on (not recorded)
+    return records
+
+
+def staticmethod_forward() -> dict:
+    skipped = skipped_before("5.23")
+    if skipped:
+        return skipped
+    records = {}
+    for reentrant in (True, False):
+        with layer_forward(lambda original: staticmethod(lambda hidden_states, *args, **kwargs: hidden_states)):
+            model = llama(2).train()
+            tinysteps.enable_checkpointing(model, {"use_reentrant": reentrant})
+            records[f"use_reentrant={reentrant}"] = step_record(model)
+    return records
+
+
 CASES = {
     "generate": generate,
     "save-load": save_load,
@@ -291,6 +573,12 @@ CASES = {
     "own-checkpoint-function": own_checkpoint_function,
     "replaced-forward": replaced_forward,
     "fsdp2-activation-checkpointing": fsdp2_activation_checkpointing,
+    "reentrant-round-trip-cycle": reentrant_round_trip_cycle,
+    "checkpoint-function-args": checkpoint_function_args,
+    "compiled-layer-forward": compiled_layer_forward,
+    "self-checkpointing-forward": self_checkpointing_forward,
+    "staticmethod-forward": staticmethod_forward,
+    "replaced-forward-switched-off": replaced_forward_switched_off,
 }
 
 if __name__ == "__main__":
