@@ -2,7 +2,7 @@
 pass-through wrapper" and "Effects ledger").
 
 The floor: a fake module's function and a class's method, called bare, then through one shim layer
-(the engine's ``wrapping.install``) whose wrapper only passes the call through, switched on and then
+(a patch registered with ``shim.register``) whose wrapper only passes the call through, switched on and then
 off (inert). The ledger: one ``shim.record_effect`` call, which a patch makes only on the branch
 where it changed something, beside the effects the in-process workloads counted. Both with
 ``timeit``, best of 5.
@@ -16,8 +16,11 @@ from harness import per_call_ns, table
 
 
 def measure_floor(args) -> dict:
-    """The raw cost of one shim layer (pass-through wrapper) on a module function and a method."""
-    from shim import wrapping  # the engine's own layer and switch: no public equivalent
+    """The raw cost of one shim layer (pass-through wrapper) on a module function and a method,
+    registered as any patch of the user's is (``shim.register``)."""
+    import sys
+
+    import shim
 
     module = types.ModuleType("shim_overhead_fake")
 
@@ -29,17 +32,18 @@ def measure_floor(args) -> dict:
             return a
 
     module.function, module.Class = function, Class
+    sys.modules[module.__name__] = module
     instance = Class()
     bare_function = per_call_ns(lambda: module.function(1, b=2), args.replay_seconds)
     bare_method = per_call_ns(lambda: instance.method(1, b=2), args.replay_seconds)
-    switch = wrapping.Switch()
     passthrough = lambda wrapped, instance_, a, k: wrapped(*a, **k)
-    wrapping.install(module, "function", "bench", passthrough, switch)
-    wrapping.install(module, "Class.method", "bench", passthrough, switch)
+    targets = tuple(shim.Target(f"{module.__name__}:{path}", passthrough) for path in ("function", "Class.method"))
+    # Gated on wrapt, which is always installed where a layer can be.
+    shim.register(shim.Patch("engine-floor", "a pass-through layer", "wrapt", ">=1", targets))
+    assert len(shim.wrappers(module.function)) == 1 and len(shim.wrappers(Class.method)) == 1, shim.status()[-1]
     on_function = per_call_ns(lambda: module.function(1, b=2), args.replay_seconds)
     on_method = per_call_ns(lambda: instance.method(1, b=2), args.replay_seconds)
-    switch.disabled = True
-    switch.update()
+    shim.disable("engine-floor")
     off_function = per_call_ns(lambda: module.function(1, b=2), args.replay_seconds)
     off_method = per_call_ns(lambda: instance.method(1, b=2), args.replay_seconds)
     return {

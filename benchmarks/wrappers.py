@@ -21,32 +21,27 @@ def shim_layers() -> list[dict]:
     import wrapt
 
     import shim
-    from shim.wrapping import find_shim_wrapper  # the engine's own lookup: no public equivalent
 
     layers = []
     for name in shim.registry.names:
         for target in shim.registry.patch(name).targets:
-            module = sys.modules.get(target.module)
-            if module is None:
+            handle = dict(shim.wrappers(target.spec)).get(name)
+            if handle is None:
                 continue
-            try:
-                parent, attribute, outer = wrapt.resolve_path(module, target.path)
-            except Exception:
-                continue
-            handle = find_shim_wrapper(outer, name)
-            if handle is not None:
-                layers.append(
-                    {
-                        "patch": name,
-                        "spec": target.spec,
-                        "parent": parent,
-                        "attribute": attribute,
-                        "handle": handle,
-                        "inner": handle.__wrapped__,
-                        "module": module,
-                        "path": target.path,
-                    }
-                )
+            module = sys.modules[target.module]
+            parent, attribute, _outer = wrapt.resolve_path(module, target.path)
+            layers.append(
+                {
+                    "patch": name,
+                    "spec": target.spec,
+                    "parent": parent,
+                    "attribute": attribute,
+                    "handle": handle,
+                    "inner": handle.__wrapped__,
+                    "module": module,
+                    "path": target.path,
+                }
+            )
     return layers
 
 

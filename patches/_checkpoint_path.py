@@ -25,6 +25,7 @@ from shim import Target
 
 from ._checkpoint_function import LayerCheckpoint, layer_of
 from ._checkpointing import MISSING, is_reentrant
+from ._reentrant_fixes import bind_torch
 
 NAME = "_gradient_checkpointing_func"
 SLOT = f"transformers.modeling_layers:GradientCheckpointingLayer.{NAME}"
@@ -95,21 +96,13 @@ def _as_layer_checkpoint(function):
     return made
 
 
-_torch_checkpoint: list = []
-
-
 def _is_own(function) -> bool:
     """Whether ``function`` is not torch's checkpoint nor transformers' offload closure around it
     (under any partials): a function of the user's own, which may look for its layer."""
-    if type(function) is _partial and _torch_checkpoint and function.func is _torch_checkpoint[0]:
-        return False  # the usual case: transformers' partial of torch's checkpoint
-    while isinstance(function, _partial):
+    checkpoint = bind_torch().utils.checkpoint.checkpoint
+    while isinstance(function, _partial):  # the usual case: transformers' partial of torch's checkpoint
         function = function.func
-    if not _torch_checkpoint:
-        import torch.utils.checkpoint
-
-        _torch_checkpoint.append(torch.utils.checkpoint.checkpoint)
-    if function is _torch_checkpoint[0]:
+    if function is checkpoint:
         return False
     return not (
         getattr(function, "__module__", None) == "transformers.modeling_utils"

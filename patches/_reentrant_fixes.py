@@ -18,6 +18,7 @@ _torch = None
 
 
 def bind_torch():
+    """torch, imported on first use (the patch modules are imported before torch may be)."""
     global _torch
     if _torch is None:
         import torch

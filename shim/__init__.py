@@ -14,6 +14,8 @@ Public API::
     with shim.disabled(*names): ...   # no names = all
     shim.register(patch)              # your own Patch, same registry
     shim.PatchError                   # raised only in strict mode (SHIM_STRICT=1)
+    shim.wrappers("transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable")
+                                      # the shim's layers on a target: [(patch name, layer)], outermost first
 
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
@@ -56,6 +58,7 @@ __all__ = [
     "report",
     "status",
     "switch_of",
+    "wrappers",
 ]
 
 # Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
@@ -70,6 +73,14 @@ def __getattr__(name: str) -> object:
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
+
+
+def wrappers(target: object) -> list[tuple[str, object]]:
+    """The shim's layers on ``target`` (an object, or a ``"module:Class.attribute"`` spec of a
+    module already imported), outermost first, as ``(patch name, layer)``; ``[]`` when none."""
+    from .wrapping import wrappers_on  # wrapt waits for the first use
+
+    return wrappers_on(target)
 
 
 logging.getLogger("shim").addHandler(logging.NullHandler())

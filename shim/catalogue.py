@@ -5,7 +5,7 @@ registry needs to hook the imports. The patch module itself (and ``packaging``, 
 patch needs) is imported when a target is, or when a status is asked for.
 
 The index is generated from each patch module's ``PATCH``, the one declaration of a patch, in
-stacking order (``Patch.after``; otherwise by name)::
+stacking order (after the patches each names in ``Patch.after``; otherwise by name)::
 
     python -m shim.patches --write    # rewrite patches/__init__.py's index
     python -m shim.patches --check    # exit 1 when it is stale (tests/test_catalogue.py does this)
@@ -68,8 +68,7 @@ def builtin() -> list[Listing]:
 
 
 def declared() -> list[Patch]:
-    """Every patch module's ``PATCH``, in stacking order: a patch comes after those it names in
-    ``after``, and otherwise in the order of the names."""
+    """Every patch module's ``PATCH``, in :func:`stacking_order`."""
     import pkgutil
 
     package = importlib.import_module(PACKAGE)
@@ -84,25 +83,24 @@ def declared() -> list[Patch]:
 
 
 def stacking_order(patches: Sequence[Patch]) -> list[Patch]:
-    by_name = {patch.name: patch for patch in sorted(patches, key=lambda p: p.name)}
+    """``patches`` in rounds: each round, by name, those whose ``after`` names are all placed."""
+    import graphlib
+
+    by_name = {patch.name: patch for patch in patches}
+    for patch in patches:
+        unknown = [name for name in patch.after if name not in by_name]
+        if unknown:
+            raise ValueError(f"patch {patch.name!r} is declared after {unknown[0]!r}, which is no built-in patch")
+    sorter = graphlib.TopologicalSorter({patch.name: patch.after for patch in patches})
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as exc:
+        raise ValueError(f"the after= declarations form a cycle: {' -> '.join(exc.args[1])}") from None
     ordered: list[Patch] = []
-    placing: list[str] = []
-
-    def place(patch: Patch) -> None:
-        if patch in ordered:
-            return
-        if patch.name in placing:
-            raise ValueError(f"the after= declarations form a cycle: {' -> '.join([*placing, patch.name])}")
-        placing.append(patch.name)
-        for name in patch.after:
-            if name not in by_name:
-                raise ValueError(f"patch {patch.name!r} is declared after {name!r}, which is no built-in patch")
-            place(by_name[name])
-        placing.pop()
-        ordered.append(patch)
-
-    for patch in by_name.values():
-        place(patch)
+    while sorter.is_active():
+        ready = sorted(sorter.get_ready())
+        ordered += (by_name[name] for name in ready)
+        sorter.done(*ready)
     return ordered
 
 

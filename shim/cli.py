@@ -196,15 +196,11 @@ def _command(argv: list[str]) -> int:
 
 def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import bugdocs
-    from .settings import canonical
+    from .settings import canonical, did_you_mean
 
     name = canonical(args.patch)
     if name not in shim.registry.names:
-        import difflib
-
-        close = difflib.get_close_matches(name, shim.registry.names, n=2, cutoff=0.5)
-        hint = f"did you mean {' or '.join(close)}?" if close else "python -m shim lists them"
-        args.parser.error(f"no patch named {args.patch!r}; {hint}")
+        args.parser.error(f"no patch named {args.patch!r}; {did_you_mean(name, shim.registry.names)}")
     text = bugdocs.section(name)
     if text is None:
         print("python -m shim explain: docs/bugs.md is not installed with this copy of the shim", file=sys.stderr)

@@ -13,12 +13,13 @@ from typing import Any, Protocol
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from .settings import PATCH_NAME
+
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 #: An assign target's wrapper: ``wrapper(instance, value) -> the value to store``.
 Assigned = Callable[[Any, Any], Any]
 
-_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
 # A PEP 508 name and a specifier set; no extras, markers or URLs (a target gate has no use for them).
 # Parsed here rather than with packaging.requirements, whose import (markers, tags, sysconfig) would
@@ -120,11 +121,11 @@ class Patch:
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not PATCH_NAME.match(self.name):
             raise ValueError(f"patch name {self.name!r} must be kebab-case, e.g. 'load-keeps-requires-grad'")
         if not self.targets:
             raise ValueError(f"patch {self.name!r} has no targets")
-        if isinstance(self.after, str) or not all(_NAME.match(name) for name in self.after):
+        if isinstance(self.after, str) or not all(PATCH_NAME.match(name) for name in self.after):
             raise ValueError(f"patch {self.name!r}: after= must be a tuple of patch names, not {self.after!r}")
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))

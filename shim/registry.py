@@ -238,11 +238,6 @@ class Registry:
 
 def unknown(name: object, known: list[str]) -> str:
     """A short message for a patch name that is not known, with the closest known names."""
-    import difflib  # only on this error
-
     shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:36] + "...'"
-    close = difflib.get_close_matches(settings.canonical(str(name)), known, n=3, cutoff=0.5)
-    while close and len(f"no patch named {shown}; did you mean {', '.join(close)}?") > 88:
-        close.pop()
-    hint = f"did you mean {', '.join(close)}?" if close else "python -m shim lists them"
-    return f"no patch named {shown}; {hint}"
+    head = f"no patch named {shown}; "
+    return head + settings.did_you_mean(str(name), known, width=88 - len(head))

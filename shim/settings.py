@@ -22,7 +22,8 @@ NONE = frozenset({"", "0", "false", "none"})
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+#: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
+PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
 # user's ``import transformers``, through the shim's import hooks), wrapt's and importlib's.
 _OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
@@ -77,11 +78,15 @@ class Settings:
         self.strict = strict
 
 
-def _closest(name: str, known: list[str]) -> str:
-    import difflib  # only for the warning: it would cost every ``import shim`` half a millisecond
+def did_you_mean(name: str, known: Iterable[str], otherwise: str = "python -m shim lists them", width: int = 0) -> str:
+    """``did you mean a, b?`` with the known names closest to ``name`` (as many of three as keep
+    the hint within ``width`` characters, when given), or ``otherwise``."""
+    import difflib  # only on this error: it would cost every ``import shim`` half a millisecond
 
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
-    return f"did you mean {', '.join(close)}?" if close else f"known patches: {', '.join(known)}"
+    close = difflib.get_close_matches(canonical(name), list(known), n=3, cutoff=0.5)
+    while width and close and len(f"did you mean {', '.join(close)}?") > width:
+        close.pop()
+    return f"did you mean {', '.join(close)}?" if close else otherwise
 
 
 def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[bool, frozenset[str]]:
@@ -107,8 +112,9 @@ def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[boo
         name = canonical(item)
         if name in known:
             found.add(name)
-        elif _NAME.match(name):
-            warn_once(f"{variable} names an unknown patch {item!r}, ignored; {_closest(name, known)}")
+        elif PATCH_NAME.match(name):
+            hint = did_you_mean(name, known, otherwise="known patches: " + ", ".join(known))
+            warn_once(f"{variable} names an unknown patch {item!r}, ignored; {hint}")
         else:
             valid = "'all' or " if allow_all else ""
             warn_once(

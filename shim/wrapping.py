@@ -50,6 +50,22 @@ def patch_name_of(entry: object) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def wrappers_on(target: object) -> list[tuple[str, Any]]:
+    """``(patch name, layer)`` for each shim layer in ``target``'s wrapper chain, outermost first;
+    ``target``: an object, or a ``"module:Class.attribute"`` spec of a module already imported."""
+    if isinstance(target, str):
+        module_name, _, path = target.partition(":")
+        module = sys.modules.get(module_name)
+        try:
+            target = resolve(module, path) if module is not None and path else None
+        except PathResolutionError:
+            target = None
+        if target is None:
+            return []
+    chain = wrapt.wrapper_chain(target)
+    return [(name, entry) for entry in chain if (name := patch_name_of(entry)) is not None]
+
+
 def find_shim_wrapper(obj: object, name: str) -> Any:
     """Our wrapper for patch ``name`` anywhere in ``obj``'s wrapper chain, or ``None``."""
     return wrapt.find_wrapper(obj, predicate=lambda entry: patch_name_of(entry) == name)

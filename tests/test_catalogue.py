@@ -65,8 +65,8 @@ def test_the_stacking_order_follows_after_and_refuses_cycles():
     def patch(name, *after):
         return Patch(name, "s", "demo", ">=1", (Target("m:f", lambda *a: None),), after=after)
 
-    ordered = stacking_order([patch("c"), patch("a", "c"), patch("b")])
-    assert [p.name for p in ordered] == ["c", "a", "b"]
+    ordered = stacking_order([patch("c"), patch("a", "c"), patch("d", "a"), patch("b")])
+    assert [p.name for p in ordered] == ["b", "c", "a", "d"]  # in rounds, each by name
     with pytest.raises(ValueError, match="cycle"):
         stacking_order([patch("a", "b"), patch("b", "a")])
     with pytest.raises(ValueError, match="no built-in patch"):

@@ -12,6 +12,7 @@ import types
 import pytest
 import wrapt
 
+import shim
 from shim import (
     APPLIED,
     DISABLED,
@@ -26,7 +27,6 @@ from shim import (
     settings,
     versions,
 )
-from shim.wrapping import patch_name_of
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -55,7 +55,7 @@ def make_patch(pkg, *paths, name="demo", requires=">=1.0", probe=None, **extra):
 
 
 def shim_layers(obj):
-    return [entry for entry in wrapt.wrapper_chain(obj) if patch_name_of(entry)]
+    return [layer for _name, layer in shim.wrappers(obj)]
 
 
 def state(registry, name="demo"):
@@ -215,6 +215,25 @@ def test_deactivate_removes_only_our_layer_under_a_third_party_wrapper(fake_modu
     assert module.f(1) == ("theirs", 1)
     assert shim_layers(module.f) == []
     assert state(registry)[0] == DISABLED
+
+
+def test_wrappers_lists_the_shim_layers_on_a_target_outermost_first_past_foreign_ones(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    spec = f"{pkg}.target:f"
+    assert shim.wrappers(spec) == []  # not imported: nothing is imported to answer
+    assert f"{pkg}.target" not in sys.modules
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg), make_patch(pkg, name="second", after=("demo",))])
+    registry.activate()
+    wrapt.wrap_function_wrapper(module, "f", tagging("theirs"))  # another patcher on top
+
+    listed = shim.wrappers(spec)
+    assert [name for name, _layer in listed] == ["second", "demo"]
+    assert listed == shim.wrappers(module.f)
+    assert not hasattr(listed[1][1].__wrapped__, "__wrapped__")  # demo's layer wraps the function itself
+    assert shim.wrappers(f"{pkg}.target:missing") == [] and shim.wrappers(len) == []
+    registry.deactivate()
+    assert shim.wrappers(spec) == []
 
 
 def test_deactivate_under_a_plain_closure_leaves_our_layer_inert(fake_modules, caplog):
