@@ -41,7 +41,7 @@ import transformers.modeling_utils  # noqa: E402,F401  (the patch applies on thi
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing import enable  # noqa: E402
-from shim.tinymodels import quiet_transformers, tiny_qwen2_vl, vision_tower  # noqa: E402
+from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")

@@ -42,8 +42,8 @@ import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
 
 import shim  # noqa: E402  (first, as a user would)
-from shim.tinymodels import quiet_transformers, tiny_llama  # noqa: E402
-from shim.tinysteps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
+from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
+from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
 MODES = ("none", "reentrant+shim", "non-reentrant", "reentrant-pos")

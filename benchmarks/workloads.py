@@ -1,6 +1,6 @@
 """What the overhead benchmark runs, shim on and off: ``from_pretrained`` of a saved tiny Llama, a
 checkpointed training step with AdamW, greedy ``generate()``, plain disable/enable cycles, and trl's
-cycles around generation and around a reference-model forward. Every model comes from ``shim.tinymodels``.
+cycles around generation and around a reference-model forward. Every model comes from ``shim.selfcheck.models``.
 
 torch, transformers, trl and the shim are imported inside the functions: a fresh interpreter
 imports this module before its ``import shim``.
@@ -16,15 +16,15 @@ def quiet_libraries() -> None:
     warnings.simplefilter("ignore")
     import torch
 
-    from shim.tinymodels import quiet_transformers
+    from shim.selfcheck.models import quiet_transformers
 
     torch.set_num_threads(1)
     quiet_transformers()
 
 
 def llama(config: dict):
-    """A ``LlamaForCausalLM`` of ``shim.tinymodels`` with the sizes of ``config`` (a dict)."""
-    from shim.tinymodels import tiny_llama
+    """A ``LlamaForCausalLM`` of ``shim.selfcheck.models`` with the sizes of ``config`` (a dict)."""
+    from shim.selfcheck.models import tiny_llama
 
     options = dict(config)
     return tiny_llama(options.pop("num_hidden_layers"), **options)
@@ -34,7 +34,7 @@ def save_model(directory: str, layers: int) -> int:
     """Save a tiny Llama of ``layers`` decoder layers for :func:`load`; returns its tensor count."""
     import torch
 
-    from shim.tinymodels import tiny_llama
+    from shim.selfcheck.models import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(layers)
@@ -52,7 +52,7 @@ def training_model(config: dict, reentrant: bool, seed: int = 0):
     """A tiny Llama with checkpointing on, in train mode, with AdamW, and one batch."""
     import torch
 
-    from shim.tinysteps import enable_checkpointing
+    from shim.selfcheck.steps import enable_checkpointing
 
     torch.manual_seed(seed)
     model = llama(config)

@@ -32,8 +32,8 @@ def _self_check() -> bool:
     """True when a checkpoint function that finds its layer through ``func.func.__self__`` fails."""
     import torch
 
-    from shim.tinymodels import tiny_llama
-    from shim.tinysteps import layer_finding_checkpoint
+    from shim.selfcheck.models import tiny_llama
+    from shim.selfcheck.steps import layer_finding_checkpoint
 
     torch.manual_seed(0)
     model = tiny_llama(2)

@@ -82,7 +82,7 @@ def _self_check() -> bool:
     """True when a key that is not a checkpoint option ends up in the checkpoint partial."""
     import transformers
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     from ._checkpointing import enable, layer_state
 

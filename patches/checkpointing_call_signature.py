@@ -163,7 +163,7 @@ def _self_check() -> bool:
     """True when trl's re-enable, or transformers' enable, raises TypeError on a narrow signature."""
     import transformers
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     class KeywordOnly(transformers.LlamaForCausalLM):
         def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):

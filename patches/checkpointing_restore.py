@@ -112,7 +112,7 @@ def _self_check() -> bool:
 
     import transformers
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     from ._checkpointing import ENABLE, disable, enable, method
 

@@ -131,7 +131,7 @@ def _self_check() -> bool:
     """True when enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
     import torch
 
-    from shim.tinymodels import tiny_qwen2_vl, vision_tower
+    from shim.selfcheck.models import tiny_qwen2_vl, vision_tower
 
     from ._checkpointing import enable
 

@@ -91,8 +91,8 @@ def _self_check() -> bool:
     Releases without ``fsdp2_apply_ac`` wrap FSDP2 layers with torch's default (the RNG state kept)."""
     from accelerate.utils import fsdp_utils
 
-    from shim.tinymodels import dropout_blocks
-    from shim.tinysteps import fsdp2_accelerator, trainable_grads, unwrapped_names, wrong_grads
+    from shim.selfcheck.models import dropout_blocks
+    from shim.selfcheck.steps import fsdp2_accelerator, trainable_grads, unwrapped_names, wrong_grads
 
     if not hasattr(fsdp_utils, "fsdp2_apply_ac"):  # before FSDP2 had its own activation checkpointing
         return False

@@ -56,7 +56,7 @@ def _self_check() -> bool:
     """True when disable/enable cycles leave more than one hook on the input embeddings."""
     import transformers
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     from ._checkpointing import disable, enable
 

@@ -113,7 +113,7 @@ def _self_check() -> bool:
     """True when a save/load round trip changes a ``requires_grad`` flag."""
     import tempfile
 
-    from shim.tinymodels import frozen_llama_class, tiny_llama_config
+    from shim.selfcheck.models import frozen_llama_class, tiny_llama_config
 
     model_class = frozen_llama_class()
     model = model_class(tiny_llama_config())

@@ -178,7 +178,7 @@ def _self_check() -> bool:
     import transformers
     from peft import get_peft_model
 
-    from shim.tinymodels import lora_config, tiny_llama_config
+    from shim.selfcheck.models import lora_config, tiny_llama_config
 
     model = get_peft_model(transformers.LlamaForCausalLM(tiny_llama_config()), lora_config())
     with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():

@@ -31,8 +31,8 @@ from ._reentrant_fixes import FROZEN as NAME
 
 def _self_check() -> bool:
     """True when a reentrant Llama with frozen inputs to its layers gets wrong parameter gradients."""
-    from shim.tinymodels import frozen_input_llama
-    from shim.tinysteps import reentrant_changes_grads, trainable_grads
+    from shim.selfcheck.models import frozen_input_llama
+    from shim.selfcheck.steps import reentrant_changes_grads, trainable_grads
 
     model, loss_of = frozen_input_llama()
     return reentrant_changes_grads(model, lambda m: trainable_grads(m, loss_of))

@@ -34,8 +34,8 @@ def _self_check() -> bool:
     """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
     import torch
 
-    from shim.tinymodels import tiny_llama
-    from shim.tinysteps import keyword_driven_grads, reentrant_changes_grads
+    from shim.selfcheck.models import tiny_llama
+    from shim.selfcheck.steps import keyword_driven_grads, reentrant_changes_grads
 
     torch.manual_seed(0)
     model = tiny_llama(3)

@@ -204,8 +204,8 @@ def _self_check() -> bool:
     """True when a 3-layer Llama whose decoder-layer class had its forward replaced checkpoints no layer."""
     import torch
 
-    from shim.tinymodels import replaced_forward_llama
-    from shim.tinysteps import checkpointed_layer_calls
+    from shim.selfcheck.models import replaced_forward_llama
+    from shim.selfcheck.steps import checkpointed_layer_calls
 
     with replaced_forward_llama() as model:
         ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -136,7 +136,7 @@ def _self_check() -> bool:
     import transformers
     from trl.models.utils import unwrap_model_for_generation
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     from ._checkpointing import enable as enable_checkpointing
 

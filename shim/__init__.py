@@ -20,7 +20,7 @@ Public API::
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
 ``shim.switch_of(name)``, the live on/off switch of a patch, for a hook it installs outside its
-wrappers. ``shim.tinymodels`` builds the tiny models of self-checks, tests and benchmarks.
+wrappers. ``shim.selfcheck.models`` builds the tiny models of self-checks, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from . import catalogue, effects, settings
+from . import catalogue, settings
 from .effects import record as record_effect
 from .errors import PatchError, ShimWarning
 from .registry import Registry
@@ -75,6 +75,13 @@ def __getattr__(name: str) -> object:
     return value
 
 
+def report() -> str:
+    """The effects table: which patches changed something in this process, how often, the last what."""
+    from .tools.report import report as effects_table
+
+    return effects_table(registry.status())
+
+
 def wrappers(target: object) -> list[tuple[str, object]]:
     """The shim's layers on ``target`` (an object, or a ``"module:Class.attribute"`` spec of a
     module already imported), outermost first, as ``(patch name, layer)``; ``[]`` when none."""
@@ -91,7 +98,6 @@ settings.configure_logging()
 registry = Registry(catalogue.builtin())
 
 status = registry.status
-report = registry.report
 activate = registry.activate
 deactivate = registry.deactivate
 enable = registry.enable
@@ -101,6 +107,8 @@ register = registry.register
 switch_of = registry.switch_of
 
 if settings.flag("SHIM_REPORT"):
-    effects.report_at_exit()
+    from .tools.report import report_at_exit
+
+    report_at_exit()
 
 activate()

@@ -53,35 +53,3 @@ def clear() -> None:
     with _lock:
         _counts.clear()
         _last.clear()
-
-
-_report_registered = False
-
-
-def report_at_exit() -> None:
-    """Print ``shim.report()`` to stderr when the interpreter exits (once per process)."""
-    global _report_registered
-    with _lock:
-        if _report_registered:
-            return
-        _report_registered = True
-    import atexit
-
-    atexit.register(_print_report)
-
-
-def _print_report() -> None:
-    import sys
-
-    shim = sys.modules.get("shim")
-    if shim is None:
-        return
-    try:
-        from .processes import quiet_at_exit
-
-        if quiet_at_exit(shim.status()):
-            return  # a helper process (launcher, multiprocessing worker) in which nothing changed
-        text = shim.report()
-    except Exception as exc:  # the user's program is over: say why, never raise at exit
-        text = f"hf-train-shim report failed: {exc!r}"
-    print(text, file=sys.stderr, flush=True)

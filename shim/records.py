@@ -1,19 +1,18 @@
-"""Reporting: the status record of a patch, and the tables made of them.
+"""The status record of a patch (``shim.status()``): what the registry did with it and what it did
+since. The tables made of them are the tools' (``shim.tools.report``).
 
-Imported only when a status is asked for (``shim.status()``, ``python -m shim``, the exit
-report), never by ``import shim`` itself.
+Imported only when a status is asked for, never by ``import shim`` itself.
 """
 
 from __future__ import annotations
 
-import os
+import re
 import sys
-import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import bugdocs, effects, gating, processes, versions
+from . import effects, gating, versions
 from .entry import and_
 from .states import APPLIED, DISABLED, FAILED, PENDING, SUSPENDED_REASON
 
@@ -21,8 +20,8 @@ if TYPE_CHECKING:
     from .entry import Entry
     from .patch import Patch
 
-#: Columns a table, report or help text fits, unless the user asks for ``--wide``.
-WIDTH = 100
+_PUBLIC = re.compile(r"^([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#(\d+)$")
+_OWN = "docs/bugs.md#"
 
 
 @dataclass(frozen=True)
@@ -86,52 +85,23 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         requires=f"{declared.distribution}{declared.requires}",
         installed=installed,
         summary=patch.summary if patch else "",
-        references=bugdocs.links(patch.references) if patch else (),
+        references=links(patch.references) if patch else (),
         effects=effects.count(declared.name),
         last_effect=effects.last(declared.name),
     )
 
 
-def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:
-    """A plain text table; columns listed in ``right`` are right-aligned (numbers)."""
-    cells = [[str(cell) for cell in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    lines = [line(row) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:
-    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
-
-
-def report(records: Sequence[PatchStatus]) -> str:
-    """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns:
-    a row per patch that changed something, its last effect below it, then the other patches by
-    state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included."""
-    role = processes.helper(spec for r in records for spec in r.targets)
-    prefix = f"[rank {processes.rank()}] " if processes.rank() else ""
-    width = max(WIDTH - len(prefix), 40)
-    changed = [r for r in records if r.effects]
-    who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
-    lines = _wrap(
-        f"hf-train-shim report ({who}): {len(changed)} of {len(records)} patches changed something", width, "", "  "
-    )
-    if changed:
-        rows = table([[r.name, r.effects] for r in changed], ["patch", "effects"], right=(1,)).splitlines()
-        lines += ["  " + line for line in rows[:2]]
-        for record, row in zip(changed, rows[2:]):
-            lines += ["  " + row, *_wrap(f"last effect: {record.last_effect}", width, " " * 6, " " * 8)]
-    groups: dict[str, list[str]] = {"applied, nothing to change": []}  # then skipped, pending, ...
-    for r in records:
-        if not r.effects:
-            groups.setdefault("applied, nothing to change" if r.state == APPLIED else r.state, []).append(r.name)
-    for label, names in groups.items():
-        if names:
-            lines += _wrap(f"{label}: {', '.join(names)}", width, "  ", "    ")
-    return "\n".join(prefix + line for line in lines)
+def links(references: Iterable[str]) -> tuple[str, ...]:
+    """``references`` as a user outside the repository can follow them: a public ``owner/repo#N``
+    becomes its GitHub address, the patch's own ``docs/bugs.md#<patch>`` the command that prints
+    that section."""
+    out = []
+    for reference in references:
+        public = _PUBLIC.match(reference)
+        if public:  # GitHub sends an issue number that is a pull request to the pull request
+            out.append(f"https://github.com/{public.group(1)}/issues/{public.group(2)}")
+        elif reference.startswith(_OWN):
+            out.append(f"python -m shim explain {reference[len(_OWN) :]}")
+        else:
+            out.append(reference)
+    return tuple(out)

@@ -162,12 +162,6 @@ class Registry:
             forced = settings.read(self._entries).forced
             return [status_of(entry, entry.name in forced) for entry in self._entries.values()]
 
-    def report(self) -> str:
-        """The effects table: which patches changed something in this process, how often, the last what."""
-        from .records import report
-
-        return report(self.status())
-
     # -- applying -------------------------------------------------------------------------------
 
     def _entry(self, name: str) -> Entry:

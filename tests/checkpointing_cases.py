@@ -8,7 +8,7 @@ import transformers
 from packaging.version import Version
 
 from shim.patches._checkpointing import is_checkpointing
-from shim.tinymodels import quiet_transformers, tiny_llama
+from shim.selfcheck.models import quiet_transformers, tiny_llama
 
 quiet_transformers()
 TRANSFORMERS = Version(transformers.__version__)

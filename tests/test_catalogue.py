@@ -182,11 +182,11 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
     for row in catalogue.INDEX:
         assert f"shim/patches/{row['module']}.py" in names
     assert "shim/py.typed" in names
-    assert "shim/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
+    assert "shim/tools/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
     assert [name for name in names if name.startswith("shim/docs/")] == ["shim/docs/bugs.md"]  # explain's text
     with zipfile.ZipFile(wheel) as archive:
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "shim-run = shim.run:main" in entry_points
+    assert "shim-run = shim.tools.run:main" in entry_points
 
 
 def test_without_the_catalogue_the_shim_warns_and_still_imports(tmp_path):

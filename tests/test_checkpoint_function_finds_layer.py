@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import effects
 from shim.patches._checkpoint_function import LayerCheckpoint
-from shim.tinymodels import tiny_llama
-from shim.tinysteps import (
+from shim.selfcheck.models import tiny_llama
+from shim.selfcheck.steps import (
     enable_checkpointing,
     keyword_driven_grads,
     layer_finding_checkpoint,

@@ -212,7 +212,7 @@ def test_trainer_step_with_an_override(shape, kwargs_id, tmp_path):
 
 
 def tiny_config():
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     return tiny_llama_config(num_hidden_layers=4)
 

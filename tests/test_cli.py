@@ -8,7 +8,7 @@ import pytest
 
 import shim
 from shim import patches as catalogue
-from shim.cli import WIDTH, status_table
+from shim.tools.cli import WIDTH, status_table
 from tests.conftest import ROOT, run_python
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
@@ -63,7 +63,7 @@ BLOCKED = """
 import sys
 for name in ("transformers", "trl", "peft", "accelerate", "deepspeed"):
     sys.modules[name] = None  # Python's way to make a module unimportable
-from shim.cli import main
+from shim.tools.cli import main
 raise SystemExit(main({args}))
 """
 

@@ -42,12 +42,12 @@ COMMANDS = {
     "status, no libraries": [
         sys.executable,
         "-c",
-        WITHOUT_LIBRARIES.format(code="from shim.cli import main; main(['--import-targets'])"),
+        WITHOUT_LIBRARIES.format(code="from shim.tools.cli import main; main(['--import-targets'])"),
     ],
     "doctor, no libraries": [
         sys.executable,
         "-c",
-        WITHOUT_LIBRARIES.format(code="from shim.cli import main; raise SystemExit(main(['doctor']))"),
+        WITHOUT_LIBRARIES.format(code="from shim.tools.cli import main; raise SystemExit(main(['doctor']))"),
     ],
     "shim.report(), no libraries": [
         sys.executable,
@@ -57,7 +57,7 @@ COMMANDS = {
     "SHIM_REPORT=1 at exit": [
         sys.executable,
         "-c",
-        "import os, shim\nos.environ['SHIM_REPORT'] = '1'\nshim.effects.report_at_exit()\n"
+        "import os, shim, shim.tools.report\nos.environ['SHIM_REPORT'] = '1'\nshim.tools.report.report_at_exit()\n"
         "shim.record_effect('load-keeps-requires-grad', 'kept %d parameter(s) of %s frozen that transformers "
         "%s made trainable while loading, and a long tail to wrap: ' + 'word ' * 40, 10, 'FrozenBaseLlama', '5.24.0')",
     ],
@@ -87,7 +87,9 @@ BROKEN_PIPE = {
         [
             sys.executable,
             "-c",
-            WITHOUT_LIBRARIES.format(code="from shim.cli import main; raise SystemExit(main(['doctor', '--json']))"),
+            WITHOUT_LIBRARIES.format(
+                code="from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))"
+            ),
         ],
         141,
     ),

@@ -7,7 +7,7 @@ tokens, losses, digests of weights and gradients, for compiled runs the number o
 breaks. The two runs must match exactly: torch runs on one thread, so the same computation repeats
 bit for bit on CPU. Where a case compares with another computation (compiled against eager, a
 checkpointed run against one without), it says the tolerance: ``RTOL``/``ATOL`` in
-``tests/workflows/compiled.py``, ``shim.tinysteps.wrong_grads``' defaults elsewhere. A case that
+``tests/workflows/compiled.py``, ``shim.selfcheck.steps.wrong_grads``' defaults elsewhere. A case that
 fails without the shim is a broken test, never a pass.
 
 ``DO_NO_HARM=full`` runs every ``torch.compile`` combination (Llama and Qwen2; eval, ``generate()``,

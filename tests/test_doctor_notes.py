@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
-from shim import doctor
+from shim.tools import doctor
 from tests.conftest import run_python
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
@@ -27,7 +27,7 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
     import transformers
     from transformers.integrations.peft import MIN_PEFT_VERSION
 
-    from shim.tinymodels import tiny_llama_config
+    from shim.selfcheck.models import tiny_llama_config
 
     notes = doctor.notes()
     if Version(peft.__version__) >= Version(MIN_PEFT_VERSION):
@@ -42,7 +42,7 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
 
 @pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
 def test_doctor_prints_the_note_below_its_table():
-    table = run_python("from shim.cli import main; raise SystemExit(main(['doctor']))", timeout=600).stdout
+    table = run_python("from shim.tools.cli import main; raise SystemExit(main(['doctor']))", timeout=600).stdout
     expected = doctor.notes()
     assert ("\nnote: transformers " in table) == bool(expected)
     if expected:

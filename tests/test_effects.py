@@ -13,8 +13,8 @@ import transformers
 import shim
 from shim import effects
 from shim.patches._checkpointing import disable, enable
-from shim.tinymodels import frozen_llama_class, tiny_llama_config
-from shim.tinysteps import enable_checkpointing, keyword_driven_grads
+from shim.selfcheck.models import frozen_llama_class, tiny_llama_config
+from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads
 from tests.checkpointing_cases import TRANSFORMERS, configure, quietly, tiny_llama
 from tests.conftest import run_python
 
@@ -184,8 +184,8 @@ def test_report_lists_what_changed_and_what_did_not():
 TRAINING_SCRIPT = """
 import shim
 import tempfile, torch
-from shim.tinymodels import frozen_llama_class
-from shim.tinymodels import quiet_transformers, tiny_llama_config
+from shim.selfcheck.models import frozen_llama_class
+from shim.selfcheck.models import quiet_transformers, tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 with tempfile.TemporaryDirectory() as directory:

@@ -344,7 +344,7 @@ def test_outside_the_gate_is_skipped_before_import_even_if_the_target_module_doe
 
 
 def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_modules):
-    from shim import doctor
+    from shim.tools import doctor
 
     pkg = fake_modules(target=TARGET)
     importlib.import_module(pkg)

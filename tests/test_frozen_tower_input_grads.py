@@ -18,7 +18,7 @@ import shim
 from shim import effects
 from shim.patches._checkpointing import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
-from shim.tinymodels import quiet_transformers, tiny_qwen2_vl, vision_tower
+from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper
 from tests.checkpointing_cases import TRANSFORMERS
 

@@ -14,7 +14,8 @@ import pytest
 from packaging.version import Version
 
 import shim
-from shim import tinymodels, tinysteps
+from shim.selfcheck import models as tinymodels
+from shim.selfcheck import steps as tinysteps
 from tests.conftest import run_python
 
 NAME = "fsdp2-checkpoint-rng-state"

@@ -6,7 +6,8 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from shim import Patch, Registry, Target, doctor
+from shim import Patch, Registry, Target
+from shim.tools import doctor
 from tests.conftest import run_python
 
 NAME = "load-keeps-requires-grad"
@@ -19,8 +20,8 @@ ROUND_TRIP = """
 import json, tempfile
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
-from shim.tinymodels import frozen_llama_class
-from shim.tinymodels import quiet_transformers, tiny_llama_config
+from shim.selfcheck.models import frozen_llama_class
+from shim.selfcheck.models import quiet_transformers, tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 model = model_class(tiny_llama_config())
@@ -85,12 +86,14 @@ def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
 
 
 def test_status_cli_json_and_table():
-    records = json.loads(run_python("from shim.cli import main; main(['--json', '--import-targets'])").stdout)
+    records = json.loads(run_python("from shim.tools.cli import main; main(['--json', '--import-targets'])").stdout)
     record = next(r for r in records if r["name"] == NAME)
     assert record["installed"] == transformers.__version__
     assert record["state"] == B1_STATE
     assert record["targets"][0] == "transformers.core_model_loading:set_param_for_module"
-    table = run_python("from shim.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}).stdout
+    table = run_python(
+        "from shim.tools.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}
+    ).stdout
     lines = table.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
     assert lines[row].split()[1:3] == ["disabled", transformers.__version__]
@@ -98,7 +101,7 @@ def test_status_cli_json_and_table():
 
 
 def test_doctor_reports_b1_present_upstream_and_fixed():
-    out = run_python("from shim.cli import main; raise SystemExit(main(['doctor', '--json']))").stdout
+    out = run_python("from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))").stdout
     finding = next(f for f in json.loads(out) if f["name"] == NAME)
     expected = ("yes", "no", "fixed") if B1_EXISTS else ("no", "no", "not affected")
     assert (finding["bug_upstream"], finding["bug_with_shim"], finding["verdict"]) == expected

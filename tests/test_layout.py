@@ -1,5 +1,5 @@
-"""The code layout a contributor relies on, read from the imports: small engine modules with no
-import circle, and patches that use only the engine's public API."""
+"""The code layout a contributor relies on, read from the imports: an engine that never imports
+the tools, no import circle, and patches that use only the engine's public API."""
 
 import ast
 
@@ -11,14 +11,15 @@ pytestmark = pytest.mark.any_version  # the code as it is, whatever is installed
 
 ENGINE = ROOT / "shim"
 #: What a patch module may import of the engine: the package's API (Patch, Target, record_effect,
-#: switch_of) and the shared tiny models and the steps taken on them.
-PUBLIC = {"shim", "shim.tinymodels", "shim.tinysteps"}
+#: switch_of, wrappers) and the shared tiny models and the steps taken on them.
+PUBLIC = {"shim", "shim.selfcheck", "shim.selfcheck.models", "shim.selfcheck.steps"}
 
 
 def imports(path) -> set[str]:
     """Every module ``path`` imports, also inside functions and ``if TYPE_CHECKING:``, resolved
     to absolute names (``from . import x`` in ``shim`` reads as ``shim.x``)."""
-    package = "shim" if path.parent == ENGINE else "shim.patches"
+    relative = path.parent.relative_to(ROOT).parts
+    package = "shim.patches" if relative == ("patches",) else ".".join(relative)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -26,21 +27,68 @@ def imports(path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
             module = ".".join(filter(None, [base, node.module]))
-            if node.module is None or (node.level and module == package):
+            if node.module is None:
                 found.update(f"{module}.{alias.name}" for alias in node.names)
             else:
                 found.add(module)
     return found
 
 
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def shim_graph() -> dict[str, set[str]]:
+    """Each module of the ``shim`` package (the wings included) -> the modules of it that it imports."""
+    modules = {module_name(path): path for path in ENGINE.rglob("*.py") if "_sitecustomize" not in path.parts}
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        for imported in imports(path):
+            while imported and imported not in modules:  # "from shim.tools import cli" -> shim.tools.cli
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                graph[name].add(imported)
+    return graph
+
+
 def engine_graph() -> dict[str, set[str]]:
-    modules = {f"shim.{path.stem}": path for path in ENGINE.glob("*.py") if path.stem != "__init__"}
-    return {name: {m for m in imports(path) if m in modules} for name, path in modules.items()}
+    """The engine's modules (the top level of ``shim``) -> the engine modules each imports."""
+    graph = shim_graph()
+    engine = {name for name in graph if name.count(".") == 1}
+    return {name: graph[name] & engine for name in engine}
 
 
-def test_no_engine_module_is_over_250_lines():
-    long = {path.name: n for path in ENGINE.glob("*.py") if (n := len(path.read_text().splitlines())) > 250}
-    assert long == {}
+#: The user's tools (CLI, doctor, tables, exit report, launcher) and the self-checks' tiny models
+#: and steps, each in its own wing: built on the engine, never imported by it (``import shim`` stays
+#: small, and a tool can change without touching what runs in a training process). Only the
+#: package's front door may reach them, lazily: ``shim.report()`` and ``SHIM_REPORT=1``.
+WINGS = ("shim.tools", "shim.selfcheck")
+FRONT_DOOR = {"shim", "shim.__main__"}
+
+
+def test_the_engine_never_imports_the_tools_nor_the_self_checks():
+    graph = shim_graph()
+    assert {"shim.tools.cli", "shim.tools.doctor", "shim.selfcheck.models"} <= set(graph), "where this test looks"
+
+    def in_wing(name):
+        return name in WINGS or name.startswith(tuple(f"{wing}." for wing in WINGS))
+
+    offenders = {
+        name: sorted(filter(in_wing, imported))
+        for name, imported in graph.items()
+        if not in_wing(name) and name not in FRONT_DOOR
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_wings_sit_beside_the_engine():
+    """The top level of ``shim`` is the engine (what ``import shim`` may load); the tools and the tiny
+    models live in their wings."""
+    top = sorted(path.name for path in ENGINE.glob("*.py"))
+    wings = sorted(path.name for path in ENGINE.iterdir() if (path / "__init__.py").is_file())
+    assert wings == ["selfcheck", "tools"]
+    assert not {"cli.py", "doctor.py", "run.py", "tinymodels.py"} & set(top)
 
 
 def test_the_engine_has_no_import_circle():

@@ -14,7 +14,7 @@ from packaging.version import Version
 
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
-from shim.tinymodels import frozen_llama_class, quiet_transformers, tiny_llama_config
+from shim.selfcheck.models import frozen_llama_class, quiet_transformers, tiny_llama_config
 
 NAME = "load-keeps-requires-grad"
 pytestmark = pytest.mark.skipif(

@@ -17,7 +17,7 @@ from packaging.version import Version
 
 import shim
 from shim import effects
-from shim.tinymodels import lora_config, quiet_transformers, tiny_llama_config
+from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama_config
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -19,8 +19,8 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import effects
 from shim.patches._checkpointing import is_reentrant
-from shim.tinymodels import frozen_input_llama
-from shim.tinysteps import enable_checkpointing, trainable_grads, wrong_grads
+from shim.selfcheck.models import frozen_input_llama
+from shim.selfcheck.steps import enable_checkpointing, trainable_grads, wrong_grads
 from shim.wrapping import find_shim_wrapper
 
 

@@ -21,8 +21,8 @@ import shim
 from shim.patches import _checkpoint_function, _checkpoint_path, _reentrant_fixes
 from shim.patches._checkpoint_function import LayerCheckpoint
 from shim.patches._checkpointing import is_reentrant, same_function
-from shim.tinymodels import quiet_transformers, tiny_llama_config
-from shim.tinysteps import enable_checkpointing, keyword_driven_grads, wrong_grads
+from shim.selfcheck.models import quiet_transformers, tiny_llama_config
+from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
 
 NAME = "reentrant-keyword-grads"

@@ -22,7 +22,7 @@ import transformers
 import shim
 from shim import patches as catalogue
 from shim.patches._checkpointing import ModelState, disable, enable, layer_state
-from shim.tinymodels import tiny_llama_config
+from shim.selfcheck.models import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_name_of
 from tests.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
 from tests.conftest import ROOT
@@ -157,7 +157,7 @@ def test_import_shim_while_another_thread_executes_a_target_module_applies_the_p
 AMBIENT = """
 import json, torch, transformers
 import shim
-from shim.tinymodels import quiet_transformers, tiny_llama_config
+from shim.selfcheck.models import quiet_transformers, tiny_llama_config
 quiet_transformers()
 context = {context}
 with context:  # the model classes are first imported in here

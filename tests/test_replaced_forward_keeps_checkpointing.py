@@ -16,8 +16,8 @@ from transformers.models.llama import modeling_llama
 
 import shim
 from shim import effects
-from shim.tinymodels import replaced_forward_llama, tiny_llama
-from shim.tinysteps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
+from shim.selfcheck.models import replaced_forward_llama, tiny_llama
+from shim.selfcheck.steps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
 
 NAME = "replaced-forward-keeps-checkpointing"
 pytestmark = pytest.mark.skipif(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.run import SITECUSTOMIZE_DIR, environment
+from shim.tools.run import SITECUSTOMIZE_DIR, environment
 from tests.conftest import ROOT
 
 SHIM_RUN = Path(sys.executable).with_name("shim-run")

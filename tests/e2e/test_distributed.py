@@ -230,7 +230,7 @@ def test_unmodified_gkd_zero3_completes_under_shim_run(tmp_path):
 def test_zero3_doctor_self_checks(tmp_path):
     code = (
         "import json, shim\n"
-        "from shim import doctor\n"
+        "from shim.tools import doctor\n"
         f"print(json.dumps([doctor.examine(shim.registry, name).as_dict() for name in {[FROZEN, DELEGATING]!r}]))\n"
     )
     env = environment()

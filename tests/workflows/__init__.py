@@ -5,7 +5,7 @@ of ``{case: record}``. A record has ``ok``, ``error`` (``"Type: message"`` or ``
 and ``cpu`` (its wall and CPU time), and what the case produced (tokens, losses, digests of weights and gradients), nothing that
 differs between two runs of the same computation.
 
-Models come from ``shim.tinymodels``; torch runs on one thread, so a computation repeats bit for bit.
+Models come from ``shim.selfcheck.models``; torch runs on one thread, so a computation repeats bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def quiet() -> None:
 
     import torch
 
-    from shim.tinymodels import quiet_transformers
+    from shim.selfcheck.models import quiet_transformers
 
     torch.set_num_threads(1)
     quiet_transformers()

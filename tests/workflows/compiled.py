@@ -8,10 +8,10 @@ Cases, ``python tests/workflows/compiled.py CASE ...``:
   ``generate()``; its tokens against the uncompiled ``generate()``'s;
 - ``<model>/train-<none|reentrant|non-reentrant>/<backend>``: two SGD steps of ``torch.compile(model)``
   with that checkpointing; losses and gradients against two uncompiled steps without checkpointing;
-- ``fix-keyword/<backend>``: ``shim.tinysteps.keyword_driven_grads`` (decoder layers called with
+- ``fix-keyword/<backend>``: ``shim.selfcheck.steps.keyword_driven_grads`` (decoder layers called with
   ``hidden_states=``), reentrant checkpointing, every decoder layer compiled in place
   (``layer.compile()``); gradients against the uncompiled run without checkpointing;
-- ``fix-frozen-input/<backend>``: ``shim.tinymodels.frozen_input_llama``, reentrant checkpointing,
+- ``fix-frozen-input/<backend>``: ``shim.selfcheck.models.frozen_input_llama``, reentrant checkpointing,
   ``torch.compile(model)``; gradients against the uncompiled run without checkpointing.
 
 ``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
@@ -33,10 +33,11 @@ import sys
 import torch
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from shim import tinymodels, tinysteps
+from shim.selfcheck import models as tinymodels
+from shim.selfcheck import steps as tinysteps
 from tests.workflows import digest, grads, input_ids, quiet, run_cases, weights
 
-RTOL, ATOL = 1e-5, 1e-6  # shim.tinysteps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
+RTOL, ATOL = 1e-5, 1e-6  # shim.selfcheck.steps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
 MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: tinymodels.tiny_qwen2(2)}
 
 

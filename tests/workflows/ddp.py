@@ -23,7 +23,8 @@ import time
 import torch
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from shim import tinymodels, tinysteps
+from shim.selfcheck import models as tinymodels
+from shim.selfcheck import steps as tinysteps
 from tests.workflows import MARK, digest, error_of, input_ids, quiet, weights
 
 WORLD = 2

@@ -60,7 +60,8 @@ import transformers
 from packaging.version import Version
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from shim import tinymodels, tinysteps
+from shim.selfcheck import models as tinymodels
+from shim.selfcheck import steps as tinysteps
 from tests.workflows import digest, grads, input_ids, quiet, run_cases, weights
 
 

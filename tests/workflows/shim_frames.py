@@ -20,7 +20,8 @@ import torch
 
 import shim
 import shim.patches
-from shim import importhooks, tinymodels
+from shim import importhooks
+from shim.selfcheck import models as tinymodels
 from tests.workflows import input_ids, quiet, run_cases
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (shim, shim.patches))

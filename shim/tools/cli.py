@@ -1,6 +1,6 @@
 """Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``,
 ``python -m shim explain <patch>`` and ``python -m shim run [--] <command ...>`` (the ``shim-run``
-console script). The help texts are in ``shim.helptext``."""
+console script). The help texts are in ``shim.tools.helptext``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from . import __version__
+from .. import __version__
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
-from .records import WIDTH  # the tables, the report and the help texts fit this many columns
+from .report import WIDTH  # the tables, the report and the help texts fit this many columns
 
 if TYPE_CHECKING:
-    from .records import PatchStatus
+    from ..records import PatchStatus
 
 COMMANDS = ("status", "doctor", "explain", "run")
 
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("patch", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)")
     explain.set_defaults(parser=explain)
-    commands.add_parser(  # parsed by shim.run: everything after it is the command's
+    commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
         add_help=False,
@@ -90,7 +90,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
     """The status table: a row per patch, then its summary, the reason for its state and its last
     effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each)."""
-    from .records import table
+    from .report import table
 
     rows = [[r.name, r.state, r.installed or "-", r.effects] for r in records]
     lines = table(rows, ["patch", "state", "installed", "effects"], right=(3,)).splitlines()
@@ -128,9 +128,9 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
 
 
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
+    from ..selfcheck.models import quiet_transformers
     from . import doctor
-    from .records import table
-    from .tinymodels import quiet_transformers
+    from .report import table
 
     quiet_transformers()
     findings = doctor.run(shim.registry)
@@ -195,8 +195,8 @@ def _command(argv: list[str]) -> int:
 
 
 def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
+    from ..settings import canonical, did_you_mean
     from . import bugdocs
-    from .settings import canonical, did_you_mean
 
     name = canonical(args.patch)
     if name not in shim.registry.names:

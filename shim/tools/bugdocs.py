@@ -1,45 +1,25 @@
 """The story of each patch's bug, from ``docs/bugs.md``, which the wheel ships as ``shim/docs/bugs.md``.
 
-``python -m shim explain <patch>`` prints a patch's section, fitted to the terminal's 100 columns;
-:func:`links` turns a patch's ``references`` into what works outside the repository (``shim.status()``,
-``python -m shim --json``): a public ``owner/repo#N`` becomes its GitHub address, the patch's own
-``docs/bugs.md#<patch>`` the command that prints that section.
+``python -m shim explain <patch>`` prints a patch's section, fitted to the terminal's 100 columns.
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Iterable
 from pathlib import Path
 
-_PUBLIC = re.compile(r"^([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#(\d+)$")
-_OWN = "docs/bugs.md#"
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 _ITEM = re.compile(r"^(\s*)([-*]|\d+\.) ")
 
 
 def path() -> Path | None:
     """``bugs.md`` of this install: in the package (a wheel), or in the checkout (an editable install)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "docs" / "bugs.md", here.parent / "docs" / "bugs.md"):
+    package = Path(__file__).resolve().parents[1]  # shim/
+    for candidate in (package / "docs" / "bugs.md", package.parent / "docs" / "bugs.md"):
         if candidate.is_file():
             return candidate
     return None
-
-
-def links(references: Iterable[str]) -> tuple[str, ...]:
-    """``references`` as a user outside the repository can follow them."""
-    out = []
-    for reference in references:
-        public = _PUBLIC.match(reference)
-        if public:  # GitHub sends an issue number that is a pull request to the pull request
-            out.append(f"https://github.com/{public.group(1)}/issues/{public.group(2)}")
-        elif reference.startswith(_OWN):
-            out.append(f"python -m shim explain {reference[len(_OWN) :]}")
-        else:
-            out.append(reference)
-    return tuple(out)
 
 
 def section(name: str) -> str | None:

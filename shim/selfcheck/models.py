@@ -1,5 +1,5 @@
 """Tiny models built in code: one module of builders for the self-checks of ``python -m shim doctor``,
-the tests and the benchmarks (the steps taken on them are in ``shim.tinysteps``). Nothing is
+the tests and the benchmarks (the steps taken on them are in ``shim.selfcheck.steps``). Nothing is
 downloaded.
 
 torch, transformers and peft are imported inside the functions: importing this module costs nothing.
@@ -143,7 +143,7 @@ def replaced_forward_llama(layers: int = 3, how: str = "function") -> Iterator[A
         torch.manual_seed(0)
         model = tiny_llama(layers)
         model.train()
-        from .tinysteps import enable_checkpointing
+        from .steps import enable_checkpointing
 
         enable_checkpointing(model, {"use_reentrant": False})
         yield model

@@ -1,7 +1,7 @@
 """``shim-run <command ...>``: run a command with the shim imported first in every Python process it starts.
 
 For launchers (``torchrun``, ``accelerate launch``, ``deepspeed``) and scripts that cannot be edited. The
-command runs with ``shim/_sitecustomize`` first on ``PYTHONPATH``: every Python interpreter it starts,
+command runs with ``shim/tools/_sitecustomize`` first on ``PYTHONPATH``: every Python interpreter it starts,
 the command itself, each rank, each spawned worker, runs that directory's ``sitecustomize`` at start-up,
 which imports ``shim`` and then the ``sitecustomize`` that would have run without it. The shim process
 then *becomes* the command (``exec``): the exit status and the signals are the command's own. Nothing

@@ -1,4 +1,4 @@
-"""Steps taken on the tiny models of ``shim.tinymodels``: enabling checkpointing, one backward and
+"""Steps taken on the tiny models of ``shim.selfcheck.models``: enabling checkpointing, one backward and
 its gradients, comparing them, counting checkpointed layer calls. Shared by the self-checks of
 ``python -m shim doctor``, the tests and the benchmarks.
 

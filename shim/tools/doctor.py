@@ -11,9 +11,9 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import versions
-from .registry import Registry
-from .states import APPLIED, DISABLED
+from .. import versions
+from ..registry import Registry
+from ..states import APPLIED, DISABLED
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"
