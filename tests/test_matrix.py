@@ -1,10 +1,12 @@
-"""The version matrix's gate check and README table (scripts/matrix.py) on made-up doctor reports.
+"""The version matrix's gate check and README table (scripts/matrixlib/) on made-up doctor reports.
 
 No cells are built here: the reports are what ``python -m shim doctor --json`` and the cell probe
 write, so these tests pin down which measurements make CI fail.
 """
 
+import ast
 import importlib.util
+import subprocess
 import sys
 
 import pytest
@@ -19,14 +21,18 @@ pytestmark = pytest.mark.any_version
 spec = importlib.util.spec_from_file_location("shim_matrix", ROOT / "scripts" / "matrix.py")
 matrix = importlib.util.module_from_spec(spec)
 sys.modules["shim_matrix"] = matrix
-spec.loader.exec_module(matrix)
+spec.loader.exec_module(matrix)  # the command line puts scripts/ on sys.path and imports its package
+# Where the code lives (scripts/matrixlib/); a value is patched on the module that reads it.
+cells, gates, runs, table = (
+    importlib.import_module(f"matrixlib.{name}") for name in ("cells", "gates", "runs", "table")
+)
 
 
 @pytest.fixture(autouse=True)
 def no_known_unfixed(tmp_path, monkeypatch):
     known = tmp_path / "known-unfixed.txt"
     known.write_text("# none\n")
-    monkeypatch.setattr(matrix, "KNOWN_UNFIXED", known)
+    monkeypatch.setattr(gates, "KNOWN_UNFIXED", known)
     return known
 
 
@@ -72,44 +78,44 @@ def texts(problems):
 
 def test_fixed_inside_and_absent_outside_the_gate_hold():
     reports = {"old": report("4.57.6", "not affected"), "new": report("5.0.0", "fixed")}
-    problems, notes = matrix.check(reports)
+    problems, notes = gates.check(reports)
     assert problems == []
     assert notes == ["demo (transformers>=5.0): first cell inside 5.0.0 (new), last 5.0.0 (new)"]
 
 
 def test_a_bug_outside_the_gate_fails_unless_known_unfixed(no_known_unfixed):
     reports = {"old": report("4.57.6", "NOT FIXED"), "new": report("5.0.0", "fixed")}
-    assert any("outside transformers>=5.0 but the bug reproduces" in t for t in texts(matrix.check(reports)[0]))
+    assert any("outside transformers>=5.0 but the bug reproduces" in t for t in texts(gates.check(reports)[0]))
 
     no_known_unfixed.write_text("demo old the 4.x code has another shape\n")
-    assert matrix.check(reports)[0] == []
-    assert "skipped: the 4.x code has another shape" in matrix.render(reports)
+    assert gates.check(reports)[0] == []
+    assert "skipped: the 4.x code has another shape" in table.render(reports)
 
 
 def test_a_stale_known_unfixed_line_fails(no_known_unfixed):
     no_known_unfixed.write_text("demo old no longer true\n")
     reports = {"old": report("4.57.6", "not affected"), "new": report("5.0.0", "fixed")}
-    assert any("remove the line" in t for t in texts(matrix.check(reports)[0]))
+    assert any("remove the line" in t for t in texts(gates.check(reports)[0]))
 
 
 @pytest.mark.parametrize("verdict", ["not reproduced", "not affected", "NOT FIXED", "check error"])
 def test_anything_but_fixed_inside_the_gate_fails(verdict):
-    problems, _ = matrix.check({"new": report("5.0.0", verdict)})
+    problems, _ = gates.check({"new": report("5.0.0", verdict)})
     assert len(problems) == 1 and problems[0][0] == "new" and "inside transformers>=5.0" in problems[0][1]
 
 
 def test_the_first_release_inside_a_gate_must_be_a_cell():
     reports = {"old": report("5.14.1", "not affected", ">=5.16"), "new": report("5.20.2", "fixed", ">=5.16")}
-    problems, _ = matrix.check(reports)
+    problems, _ = gates.check(reports)
     assert [cell for cell, _ in problems] == [None]
     assert "needs a cell on transformers 5.16.x (>= 5.16), the first line inside" in problems[0][1]
 
     reports["edge"] = report("5.16.0", "fixed", ">=5.16")
-    assert matrix.check(reports)[0] == []
+    assert gates.check(reports)[0] == []
 
 
 def test_a_lower_bound_below_the_oldest_cell_needs_no_cell():
-    assert matrix.check({"a": report("4.57.6", "fixed", ">=4.0"), "b": report("5.0.0", "fixed", ">=4.0")})[0] == []
+    assert gates.check({"a": report("4.57.6", "fixed", ">=4.0"), "b": report("5.0.0", "fixed", ">=4.0")})[0] == []
 
 
 @pytest.mark.parametrize(
@@ -128,7 +134,7 @@ def test_a_lower_bound_below_the_oldest_cell_needs_no_cell():
     ],
 )
 def test_gate_edges_are_release_lines(requires, measured, wanted):
-    assert matrix.missing_edges(requires, measured) == wanted
+    assert gates.missing_edges(requires, measured) == wanted
 
 
 def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
@@ -151,7 +157,7 @@ def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
         "a": with_target("4.57.6", "not affected", ">=5.16", False),
         "b": with_target("5.20.2", "fixed", ">=5.16", True),
     }
-    problems, _ = matrix.check(reports)
+    problems, _ = gates.check(reports)
     assert [
         text for cell, text in problems if cell is not None
     ] == []  # outside the target's gate: not affected is right
@@ -159,13 +165,13 @@ def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
         "target trl.models.utils:f gate transformers>=5.16 needs a cell on transformers 5.16.x" in t
         for t in texts(problems)
     )
-    assert "`transformers>=4.57`; targets `transformers>=5.16`" in matrix.render(reports)
+    assert "`transformers>=4.57`; targets `transformers>=5.16`" in table.render(reports)
 
 
 def test_a_patch_without_self_check_or_with_stale_reports_fails():
-    assert "no self_check" in texts(matrix.check({"a": report("5.0.0", "no self-check", self_check=False)})[0])[0]
+    assert "no self_check" in texts(gates.check({"a": report("5.0.0", "no self-check", self_check=False)})[0])[0]
     stale = {"a": report("5.0.0", "fixed", ">=5.0"), "b": report("5.1.0", "fixed", ">=5.1")}
-    assert any("disagree on the gate" in t for t in texts(matrix.check(stale)[0]))
+    assert any("disagree on the gate" in t for t in texts(gates.check(stale)[0]))
 
 
 def test_new_patches_are_new_rows_and_the_readme_block_round_trips(tmp_path, monkeypatch):
@@ -174,21 +180,21 @@ def test_new_patches_are_new_rows_and_the_readme_block_round_trips(tmp_path, mon
         extra = report(reports[cell]["versions"]["transformers"], verdict, name="second")
         reports[cell]["patches"] += extra["patches"]
         reports[cell]["findings"].update(extra["findings"])
-    table = matrix.render(reports)
-    rows = [line for line in table.splitlines() if line.startswith("| `demo`") or line.startswith("| `second`")]
+    rendered = table.render(reports)
+    rows = [line for line in rendered.splitlines() if line.startswith("| `demo`") or line.startswith("| `second`")]
     assert rows == [f"| `{n}` | `transformers>=5.0` | not needed | applied, fixed |" for n in ("demo", "second")]
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{matrix.START}\nold table\n{matrix.END}\noutro\n")
-    monkeypatch.setattr(matrix, "README", readme)
-    assert matrix.readme_block() == "old table"
-    matrix.write_readme(table)
-    assert matrix.readme_block() == table
-    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith(f"{matrix.END}\noutro\n")
+    readme.write_text(f"intro\n{table.START}\nold table\n{table.END}\noutro\n")
+    monkeypatch.setattr(table, "README", readme)
+    assert table.readme_block() == "old table"
+    table.write_readme(rendered)
+    assert table.readme_block() == rendered
+    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith(f"{table.END}\noutro\n")
 
 
 def test_every_cell_has_a_constraints_file_pinning_torch_first():
-    for cell in matrix.CELLS:
+    for cell in cells.CELLS:
         lines = [line for line in cell.constraints.read_text().splitlines() if line and not line.startswith("#")]
         assert lines[0] == "torch==2.13.0", cell.name
         assert any(line.startswith("transformers==") for line in lines) and any(
@@ -197,16 +203,39 @@ def test_every_cell_has_a_constraints_file_pinning_torch_first():
 
 
 def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
-    default = matrix.suite_command(matrix.BY_NAME[matrix.DEFAULT])
+    default = runs.suite_command(cells.BY_NAME[cells.DEFAULT])
     assert default[1:] == ["-m", "pytest", "-q"]  # everything the README's command runs
     from shim.patches import INDEX
 
     names = [f"test_{row['module']}.py" for row in INDEX]
     patch_tests = [f"tests/{name}" for name in names if (ROOT / "tests" / name).exists()]
     assert len(patch_tests) >= 14
-    for cell in matrix.CELLS:
-        if cell.name != matrix.DEFAULT:
-            command = matrix.suite_command(cell)
+    for cell in cells.CELLS:
+        if cell.name != cells.DEFAULT:
+            command = runs.suite_command(cell)
             assert command[command.index("-m", 2) + 1] == "not e2e and not any_version", cell.name
             assert set(patch_tests) <= set(command), cell.name
-            assert all((ROOT / test.split("::")[0]).exists() for test in matrix.CELL_TESTS)
+            assert all((ROOT / test.split("::")[0]).exists() for test in runs.CELL_TESTS)
+
+
+def test_the_command_line_starts_from_anywhere_without_its_folder_on_sys_path(tmp_path):
+    # -I: no script folder on sys.path (as PYTHONSAFEPATH), the cwd elsewhere.
+    command = [sys.executable, "-I", str(ROOT / "scripts" / "matrix.py"), "--help"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--report-only" in result.stdout and "--lock CELL" in result.stdout
+
+
+def test_the_matrix_needs_only_the_standard_library():
+    # It starts before any environment exists: python3 >= 3.10, nothing installed.
+    for path in [ROOT / "scripts" / "matrix.py", *sorted((ROOT / "scripts" / "matrixlib").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top in ("__future__", "matrixlib"), f"{path.name}: {name}"

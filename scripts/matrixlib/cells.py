@@ -1,0 +1,92 @@
+"""The cells of the version matrix, where each one lives and how it is built (``scripts/setup.sh``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORTS = ROOT / "doctor-reports"  # <cell>/: written by runs.py, read by gates.py
+DEFAULT = "default"  # the cell .ci/run and the README set up: every test runs there
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    venv: str = ""  # default: .venvs/<name>
+    suite: bool = True  # False: an edge cell that runs doctor only
+
+    @property
+    def constraints(self) -> Path:
+        return ROOT / "constraints" / f"{self.name}.txt"
+
+    @property
+    def python(self) -> Path:
+        return ROOT / (self.venv or f".venvs/{self.name}") / "bin" / "python"
+
+
+#: The cells. Full cells run doctor and the cell's tests (:func:`.runs.cell_tests`). Edge cells run doctor only and sit on the first
+#: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
+#: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
+#: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
+#: activation_checkpointing_enable, and the override path after). peft0.20 is the default stack with peft 0.20.0, the last
+#: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability).
+CELLS = (
+    Cell("tf4.57-trl0.25"),
+    Cell("edge-trl0.26", suite=False),
+    Cell("edge-trl0.28", suite=False),
+    Cell("tf5.0-trl0.29"),
+    Cell("edge-tf5.2", suite=False),
+    Cell("edge-tf5.3", suite=False),
+    Cell("tf5.14-trl1.0"),
+    Cell("edge-tf5.16", suite=False),
+    Cell("tf5.20-trl1.12"),
+    Cell("edge-tf5.22", suite=False),
+    Cell("edge-tf5.23", suite=False),
+    Cell("peft0.20"),
+    Cell("default", venv=".venv"),
+)
+BY_NAME = {cell.name: cell for cell in CELLS}
+
+
+def clean_env(cell: Cell) -> dict:
+    """No SHIM_* settings of the developer's, no foreign PYTHONPATH or venv."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# -- building a cell ------------------------------------------------------------------------------
+
+
+def build(cell: Cell, out: Path) -> dict:
+    """``scripts/setup.sh`` for the cell, its output in ``setup.log``; runs beside other builds.
+
+    uv hard-links every cell from one cache, torch included, so a cell costs its bytecode and the
+    packages no other cell has. A doctor-only cell gets no bytecode: it runs two interpreters, which
+    compile less than the whole environment would cost (``SHIM_COMPILE=0``).
+    """
+    start = time.monotonic()
+    env = clean_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
+    if not cell.suite:
+        env["SHIM_COMPILE"] = "0"
+    with open(out / "setup.log", "w") as log:
+        result = subprocess.run(
+            ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    return dict(ok=result.returncode == 0, code=result.returncode, seconds=time.monotonic() - start)
+
+
+def show_build(cell: Cell, out: Path, built: dict) -> bool:
+    lines = (out / "setup.log").read_text().splitlines()
+    if not built["ok"]:
+        say("\n".join(lines[-25:]))
+        say(f"{cell.name}: setup failed (exit {built['code']}), log in {out / 'setup.log'}")
+        return False
+    say(lines[-1] if lines else "")
+    return True
