@@ -29,10 +29,10 @@ import importlib
 import logging
 
 from . import catalogue, settings
-from .effects import record as record_effect
-from .errors import PatchError, ShimWarning
+from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED
 from .registry import Registry
-from .states import APPLIED, DISABLED, FAILED, PENDING, SKIPPED
+from .runtime import record as record_effect
+from .settings import PatchError, ShimWarning
 
 __version__ = "0.1.0"
 __all__ = [

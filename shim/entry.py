@@ -1,48 +1,80 @@
-"""One patch's life in a registry: its state, and applying it module by module.
+"""One patch's life in a registry: its state, its switch, and the transitions between them.
 
-The registry decides *when* (imports, switches, locks); an :class:`Entry` applies what
-``shim.gating`` admits with ``shim.layers``, and rolls everything back if a target fails.
+An :class:`Entry` owns everything about one patch. The registry only says what happened (the
+user switched it, a target module finished importing) and keeps the table, the lock and the
+import hooks; the entry decides what that means for the patch. Its life, as ``shim.status()``
+reports it (docs/how-it-works.md, "A patch's states", draws it): ``PENDING`` until
+:meth:`advance` wraps it (``APPLIED``) or finds it must not (``SKIPPED``, ``FAILED``: final until
+``enable()`` or ``deactivate()``); ``DISABLED`` by ``SHIM_DISABLE``, :meth:`disable` or
+:meth:`deactivate`.
+
+Advancing is one straight path: gate → resolve → wrap → settle. What the user asked is kept apart
+from where the patch is: ``active`` (``activate()`` / ``deactivate()``), ``choice`` (``enable()``
+/ ``disable()``, which outlive a deactivation) and the depth of ``shim.disabled()`` blocks; the
+switch the patch's layers answer to follows from them and from whether a layer is in place.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
-from .states import APPLIED, FAILED, PENDING, SKIPPED
-from .switch import Switch
+from .runtime import Switch
 
 if TYPE_CHECKING:
-    from .importhooks import Hook
-    from .layers import Layers
+    from .gating import Gate
     from .patch import Declared, Patch
-    from .versions import GateDecision
+    from .settings import Settings
+    from .wrapping import Layers
 
+
+# -- the states a patch can be in, as shim.status() and python -m shim report them -----------------
+APPLIED = "applied"  # its layers are in place (and act unless switched off)
+PENDING = "pending"  # a target module is not imported yet: the patch applies right after it is
+SKIPPED = "skipped"  # not needed or not safe here (outside its gate, target missing, shape changed)
+DISABLED = "disabled"  # switched off: SHIM_DISABLE, shim.disable(), shim.deactivate(), shim.disabled()
+FAILED = "failed"  # wrapping raised (and was rolled back), or a probe could not run
+
+SUSPENDED_REASON = "inside shim.disabled()"
+OFF_BY_API = "switched off with shim.disable()"
+
+# -- what the user chose for one patch with enable() / disable(): it outlives deactivate() ----------
+FOLLOW = "follows SHIM_DISABLE"
+ENABLED = "enabled"  # shim.enable(): wins over SHIM_DISABLE, until shim.disable()
+OFF = "disabled"  # shim.disable()
 
 log = logging.getLogger("shim")
 
 
+class Progress(NamedTuple):
+    """What one :meth:`Entry.advance` leaves for the registry to do."""
+
+    problem: str | None  # why it did not apply, where strict mode must raise
+    waiting: tuple[str, ...] = ()  # target modules to hook: it applies there when they are imported
+    done: tuple[str, ...] = ()  # target modules it is applied in: applied again after a reload
+
+
 class Entry:
-    """One patch in a registry: its declaration, its switch, its state and what it has wrapped."""
+    """One patch in a registry: its declaration, what the user chose, its state and its layers."""
 
     __slots__ = (
-        "declared", "patch", "switch", "state", "reason", "active", "explicit", "settled",
-        "gate", "reasons", "layers", "done_modules", "hooked",
+        "declared", "patch", "state", "reason", "active", "choice", "suspended", "switch",
+        "gate", "notes", "layers", "done_modules",
     )  # fmt: skip
 
     def __init__(self, declared: Declared, active: bool) -> None:
         self.declared = declared
         self.patch: Patch | None = None  # loaded on the first target import (or a status)
-        self.switch = Switch()
         self.state, self.reason = PENDING, "not activated"
-        self.active = active  # activate()/enable() vs deactivate()
-        self.explicit = False  # switched on with enable(): wins over SHIM_DISABLE, until disable()
-        self.settled = False  # skipped or failed for good (until deactivate/activate or enable)
-        self.gate: GateDecision | None = None  # decided on the first target import
-        self.reasons: list[str] = []  # why it applies (the gate), then the targets it left alone
-        self.layers: Layers | None = None  # what it wrapped and rebound (shim.layers)
+        self.active = active  # activate() / enable() vs deactivate()
+        self.choice = FOLLOW
+        self.suspended = 0  # depth of the shim.disabled() blocks around it
+        self.switch = Switch()
+        self.gate: Gate | None = None  # decided on the first target import
+        self.notes: list[str] = []  # what the status adds to the gate: targets left alone, late, ...
+        self.layers: Layers | None = None  # what it wrapped and rebound (shim.wrapping.Layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
-        self.hooked: dict[str, Hook] = {}  # module -> our import hook for it; "reload:" + name for reloads
 
     @property
     def name(self) -> str:
@@ -50,7 +82,7 @@ class Entry:
 
     @property
     def installed(self) -> str | None:
-        return self.gate.installed if self.gate is not None else None
+        return self.gate.decision.installed if self.gate is not None else None
 
     def load(self) -> Patch:
         """The patch's declaration (imports its module the first time)."""
@@ -58,13 +90,212 @@ class Entry:
             self.patch = self.declared.load()
         return self.patch
 
-    def forget_progress(self) -> None:
-        """Start over at the next target import: nothing applied, nothing decided for good."""
-        self.done_modules.clear()
-        self.reasons.clear()
-        self.settled = False
+    # -- what the user asks ---------------------------------------------------------------------
 
-    def set(self, state: str, reason: str, level: int | None = None, forced: bool = False) -> None:
+    def activate(self) -> None:
+        self.active = True
+
+    def deactivate(self) -> None:
+        """Take every layer off and start over at the next activation."""
+        self.active = False
+        self._take_off()
+        self._forget_progress()
+        self._set(DISABLED, "shim.deactivate() was called")
+
+    def enable(self) -> None:
+        """Switched on by the user: wins over ``SHIM_DISABLE``; a failed patch is tried again."""
+        self.choice, self.active = ENABLED, True
+        if self.state == FAILED:
+            self._forget_progress()
+            self._set(PENDING, "switched on with shim.enable()")
+        self._update_switch()
+
+    def disable(self) -> None:
+        """Switched off by the user: its layers stay, inert, until :meth:`enable`."""
+        self.choice = OFF
+        self._update_switch()
+        if self.state in (APPLIED, PENDING):
+            self._set(DISABLED, OFF_BY_API)
+
+    def suspend(self, depth: int) -> None:
+        """Enter (``+1``) or leave (``-1``) a ``shim.disabled()`` block."""
+        self.suspended += depth
+        self._update_switch()
+
+    @property
+    def is_on(self) -> bool:
+        """Applied, and its layers act right now."""
+        return self.state == APPLIED and self.switch.on
+
+    def settled(self, settings: Settings) -> bool:
+        """Skipped or failed for good. In strict mode a problem is raised again at every chance
+        (a retried import, ``activate()``); being outside its gate is never one."""
+        if self.state not in (SKIPPED, FAILED):
+            return False
+        return not settings.strict or (self.gate is not None and self.gate.skip is not None)
+
+    # -- what happens ---------------------------------------------------------------------------
+
+    def advance(self, ready: Callable[[str], bool], settings: Settings, late: str | None = None) -> Progress:
+        """Apply the targets whose module is ``ready`` (finished importing), or say why not.
+        ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
+        if not self.active or self.settled(settings):
+            return Progress(None)
+        if self.choice == OFF:
+            if self.state == DISABLED:  # after deactivate() / activate(): say why it stays off
+                self._set(DISABLED, OFF_BY_API)
+            return Progress(None)
+        self._drop_stale()
+        opted_out = settings.disable_all or self.name in settings.disabled
+        if opted_out and self.choice != ENABLED and not self.layers:
+            variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
+            self._set(DISABLED, f"opted out with {variable}")
+            return Progress(None)
+        forced = self.name in settings.forced
+        todo = [m for m in self.declared.modules if m not in self.done_modules]
+        now = [m for m in todo if ready(m)]
+        waiting = tuple(m for m in todo if m not in now)
+        problem = None
+        if now:
+            done = set(self.done_modules)
+            verdict = self._wrap(now, forced, late)
+            if verdict is not None:
+                state, reason, problem = verdict
+                self._give_up(state, reason)
+                if problem is not None and settings.strict:
+                    self._forget_progress()  # tried again at the next chance: a retried import, activate()
+            else:
+                self._settle(waiting, [m for m in now if m not in done], forced, late)
+        else:
+            self._settle(waiting, [], forced, late)
+        return Progress(problem, waiting, tuple(self.done_modules))
+
+    def view(self, forced: bool) -> tuple[str, str, str | None]:
+        """The state, its reason and the installed version, as ``shim.status()`` shows them: the
+        state, and what can be known without applying anything (the gate of a patch still
+        pending, a layer replaced since, a ``shim.disabled()`` block)."""
+        from . import gating
+
+        state, reason, installed = self.state, self.reason, self.installed
+        if state == PENDING and self.gate is None:
+            # Decided here rather than at activation, where it would cost every ``import shim`` a
+            # metadata read (the log decides it the same way, when it shows the line).
+            skipped, reason, installed = gating.pending(self.declared, reason, forced)
+            state = SKIPPED if skipped else PENDING
+        elif installed is None:
+            installed = gating.installed_version(self.declared.distribution)
+        if state == APPLIED and self.layers:
+            state, reason = self._layers_now(reason)
+        if self.suspended and state in (APPLIED, PENDING):
+            state, reason = DISABLED, SUSPENDED_REASON
+        return state, reason, installed
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def _wrap(self, module_names: list[str], forced: bool, late: str | None) -> tuple[str, str, str | None] | None:
+        """Gate, resolve and wrap the targets in ``module_names``; ``None`` when they are in place,
+        else ``(state, reason, problem)``: the problem is what strict mode raises."""
+        from . import gating
+        from .wrapping import Layers
+
+        try:
+            patch = self.load()
+        except Exception as exc:
+            return self._problem(FAILED, f"the patch module cannot be imported: {exc!r}")
+        self.gate = gating.gate(self.declared, forced)
+        if self.gate.skip is not None:
+            return SKIPPED, self.gate.skip, None  # outside its gate is never a problem, not even in strict mode
+        resolution = gating.resolve(patch, module_names, self.gate)
+        if resolution.problem is not None:
+            return self._problem(FAILED if resolution.problem.failed else SKIPPED, resolution.problem.why)
+        self.notes.extend(resolution.notes)
+        if self.layers is None:
+            self.layers = Layers(patch.name)
+        try:
+            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch)
+        except Exception as exc:
+            return self._problem(FAILED, f"wrapping failed and was rolled back: {exc!r}")
+        if switch is not self.switch:  # adopted a layer already there, with its switch
+            for watcher in self.switch.watchers:
+                switch.watch(watcher)
+            self.switch = switch
+        self.notes.extend(missed)
+        if late is not None and resolution.targets:
+            self.notes.append(late)
+        self.done_modules.update(module_names)
+        self._update_switch()
+        return None
+
+    @staticmethod
+    def _problem(state: str, reason: str) -> tuple[str, str, str]:
+        return state, reason, reason
+
+    def _settle(self, waiting: Iterable[str], added: list[str], forced: bool, late: str | None) -> None:
+        """The state after wrapping (``added``: the modules it wrapped now, ``late`` if past the
+        shim's hook): applied (maybe in part), pending, or skipped for good."""
+        waiting = list(waiting)
+        later = f"applies when {and_(waiting)} {'is' if len(waiting) == 1 else 'are'} imported" if waiting else ""
+        if self.layers:
+            gate = [self.gate.reason] if self.gate is not None else []
+            reason = "; ".join(filter(None, [*gate, *self.notes, later and f"the rest {later}"]))
+            if self.state != APPLIED:
+                self._set(APPLIED, reason, logging.WARNING if late and added else logging.INFO)
+            elif added:  # said once at INFO; what a later target module adds, at DEBUG
+                level = logging.WARNING if late else logging.DEBUG
+                log.log(level, "%s: applied to %s as well (%s)", self.name, and_(added), reason)
+            self.state, self.reason = APPLIED, reason
+        elif waiting:
+            self._set(PENDING, later, forced=forced)
+        else:
+            self._give_up(SKIPPED, "; ".join(self.notes) or "no target applies")
+
+    def _give_up(self, state: str, reason: str) -> None:
+        """Remove whatever the patch already wrapped and settle it as skipped or failed."""
+        self._take_off()
+        self._set(state, reason)
+
+    def _take_off(self) -> None:
+        if self.layers is not None:
+            # A layer that could not be spliced out stays in place, switched off, until adopted again.
+            self.layers.remove()
+        self._update_switch()
+
+    def _forget_progress(self) -> None:
+        """Start over at the next target import: nothing applied, nothing noted."""
+        self.done_modules.clear()
+        self.notes.clear()
+
+    def _drop_stale(self) -> None:
+        """Forget layers whose target was replaced (a reload), so the patch applies to the new one."""
+        if self.layers:
+            self.done_modules -= self.layers.drop_stale()
+
+    def _update_switch(self) -> None:
+        in_place = self.layers is not None and self.layers.in_place
+        self.switch.set(in_place and self.choice != OFF and not self.suspended)
+
+    def _layers_now(self, reason: str) -> tuple[str, str]:
+        """An applied patch's state as its layers stand now: one replaced since says so."""
+        import sys
+
+        assert self.layers is not None
+        stale = self.layers.stale()
+        modules = {layer.module_name for layer in stale}
+        gone = sorted(name for name in modules if sys.modules.get(name) is None)
+        if stale and len(gone) == len(modules):
+            # The import the patch was applied in failed after it (another hook raised, in strict mode).
+            state = PENDING if len(stale) == len(self.layers.installed) else APPLIED
+            are = "is" if len(gone) == 1 else "are"
+            return (
+                state,
+                f"{reason}; the import of {and_(gone)} failed: it applies again when {and_(gone)} {are} imported",
+            )
+        if stale:
+            replaced = self.layers.describe(stale)
+            return FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
+        return APPLIED, reason
+
+    def _set(self, state: str, reason: str, level: int | None = None, forced: bool = False) -> None:
         if (self.state, self.reason) != (state, reason):
             if level is None:
                 level = logging.WARNING if state == FAILED else logging.INFO if state == APPLIED else logging.DEBUG
@@ -73,83 +304,10 @@ class Entry:
                 if state == PENDING and self.gate is None:  # as shim.status() shows it (a metadata read)
                     from .gating import pending
 
-                    shown = pending(self.declared, reason, forced)[:2]
+                    skipped, shown_reason, _ = pending(self.declared, reason, forced)
+                    shown = (SKIPPED if skipped else PENDING, shown_reason)
                 log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
-
-    def apply(self, module_names: list[str], forced: bool, late: str | None = None) -> str | None:
-        """Load, decide and wrap the targets in ``module_names``; returns a problem for strict mode.
-        ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
-        from . import gating
-        from .layers import Layers
-
-        try:
-            patch = self.load()
-        except Exception as exc:
-            return self.give_up(FAILED, f"the patch module cannot be imported: {exc!r}")
-        decision = gating.gate(self.declared, forced)
-        self.gate = decision.decision
-        if decision.skip is not None:
-            self.give_up(SKIPPED, decision.skip)
-            return None  # outside its gate is never a problem, not even in strict mode
-        resolution = gating.resolve(patch, module_names, decision)
-        if resolution.problem is not None:
-            return self.give_up(*resolution.problem)
-        self.reasons[:] = [decision.reason, *self.reasons[1:], *resolution.notes]
-        if self.layers is None:
-            self.layers = Layers(patch.name)
-        try:
-            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch)
-        except Exception as exc:
-            return self.give_up(FAILED, f"wrapping failed and was rolled back: {exc!r}")
-        if switch is not self.switch:  # adopted a layer already there, with its switch
-            switch.adopt_watchers(self.switch)
-            self.switch = switch
-        self.reasons.extend(missed)
-        if late is not None and resolution.targets:
-            self.reasons.append(late)
-        self.done_modules.update(module_names)
-        self.switch.removed = False
-        self.switch.update()
-        return None
-
-    def settle(self, waiting: list[str], added: list[str], forced: bool, late: str | None) -> None:
-        """The state after an apply (``added``: the modules it wrapped now, ``late`` if past the
-        shim's hook): applied (maybe in part), pending, or skipped for good."""
-        later = f"applies when {and_(waiting)} {'is' if len(waiting) == 1 else 'are'} imported" if waiting else ""
-        if self.layers:
-            reason = "; ".join(filter(None, [*self.reasons, later and f"the rest {later}"]))
-            level = logging.WARNING if late and added else logging.INFO
-            if self.state != APPLIED:
-                self.set(APPLIED, reason, level)
-            elif added:  # said once at INFO; what a later target module adds, at DEBUG
-                level = logging.WARNING if late else logging.DEBUG
-                log.log(level, "%s: applied to %s as well (%s)", self.name, and_(added), reason)
-            self.state, self.reason = APPLIED, reason
-        elif waiting:
-            self.set(PENDING, later, forced=forced)
-        else:
-            self.give_up(SKIPPED, "; ".join(self.reasons[1:]) or "no target applies")
-
-    def give_up(self, state: str, reason: str) -> str:
-        """Remove whatever the patch already wrapped and settle it as skipped or failed."""
-        self.remove()
-        self.settled = True
-        self.set(state, reason)
-        return reason
-
-    def remove(self) -> None:
-        if self.layers is None:
-            return
-        self.layers.remove()
-        # A layer that could not be spliced out stays in place, inert, until it is adopted again.
-        self.switch.removed = True
-        self.switch.update()
-
-    def drop_stale(self) -> None:
-        """Forget layers whose target was replaced (a reload), so the patch applies to the new one."""
-        if self.layers:
-            self.done_modules -= self.layers.drop_stale()
 
 
 def and_(names: list[str]) -> str:

@@ -3,19 +3,90 @@ shape probes. Nothing here wraps anything or keeps state: the registry asks and 
 
 One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
 pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
+
+Versions: rule for pre-release, development, post and local builds: a version is gated as its release
+(``Version.base_version``). ``5.25.0.dev0``, ``5.25.0rc1`` and ``5.25.0+local`` are all gated as
+``5.25.0``: a build of the next release already carries that release's code, and gates are written
+against releases. The status record shows both the installed and the gated version.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from . import versions
-from .states import FAILED, PENDING, SKIPPED
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
     from .patch import Declared, Patch, Target
-    from .versions import GateDecision
+    from .wrapping import Resolved
+
+
+# -- installed versions and version gates ----------------------------------------------------------
+
+
+def installed_version(distribution: str) -> str | None:
+    """The version of ``distribution``: its imported module's ``__version__``, else its metadata.
+
+    A distribution whose module cannot be found counts as not installed, metadata or not (a
+    broken uninstall, or ``sys.modules[name] = None``, Python's way to make a module unimportable).
+    """
+    name = distribution.replace("-", "_")
+    module = sys.modules.get(name)
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str):
+        return version
+    if module is None:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return None
+        except (ImportError, ValueError):
+            return None
+    return _metadata_version(distribution)
+
+
+@functools.cache
+def _metadata_version(distribution: str) -> str | None:
+    """The version in ``distribution``'s metadata, read once per process (each read parses a file)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def specifier_set(text: str) -> SpecifierSet:
+    """``text`` parsed as a PEP 440 specifier set, once per text."""
+    return SpecifierSet(text)
+
+
+class GateDecision(NamedTuple):
+    admitted: bool
+    installed: str | None
+    gated_as: str | None
+    reason: str
+
+
+def decide(distribution: str, specifier: SpecifierSet) -> GateDecision:
+    """Whether the installed ``distribution`` falls inside ``specifier`` (see the module docstring)."""
+    installed = installed_version(distribution)
+    if installed is None:
+        return GateDecision(False, None, None, f"{distribution} is not installed")
+    try:
+        gated_as = Version(installed).base_version
+    except InvalidVersion:
+        return GateDecision(False, installed, None, f"{distribution} {installed} is not a PEP 440 version")
+    shown = installed if gated_as == installed else f"{installed} (gated as {gated_as})"
+    admitted = specifier.contains(gated_as, prereleases=True)
+    verdict = "inside" if admitted else "outside"
+    return GateDecision(admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {specifier}")
+
+
+# -- whether a patch applies -----------------------------------------------------------------------
 
 
 class Gate(NamedTuple):
@@ -27,7 +98,7 @@ class Gate(NamedTuple):
 def gate(declared: Declared, forced: bool) -> Gate:
     """The patch's version gate. ``SHIM_FORCE`` lets a patch apply outside it, not where its
     distribution is missing or its version cannot be read."""
-    decision = versions.decide(declared.distribution, versions.specifier_set(declared.requires))
+    decision = decide(declared.distribution, specifier_set(declared.requires))
     if decision.admitted:
         return Gate(decision, None, decision.reason)
     if forced and decision.gated_as is not None:
@@ -35,68 +106,69 @@ def gate(declared: Declared, forced: bool) -> Gate:
     return Gate(decision, decision.reason, decision.reason)
 
 
-def pending(declared: Declared, reason: str, forced: bool) -> tuple[str, str, str | None]:
-    """How a patch still pending shows (state, reason, installed version), in ``shim.status()`` and
-    in the log alike: outside its gate it is skipped, even where its target module does not exist
-    in that release; its hooks stay, so ``SHIM_FORCE`` set later still applies it."""
+def pending(declared: Declared, reason: str, forced: bool) -> tuple[bool, str, str | None]:
+    """How a patch still pending shows (skipped?, reason, installed version), in ``shim.status()``
+    and in the log alike: outside its gate it is skipped, even where its target module does not
+    exist in that release; its hooks stay, so ``SHIM_FORCE`` set later still applies it."""
     decision = gate(declared, forced)
     if decision.skip is not None:
-        return SKIPPED, decision.skip, decision.decision.installed
-    return PENDING, f"{reason}; {decision.decision.reason}", decision.decision.installed
+        return True, decision.skip, decision.decision.installed
+    return False, f"{reason}; {decision.decision.reason}", decision.decision.installed
 
 
-class Resolved(NamedTuple):
-    target: Target
-    module: Any  # the imported module object
-    original: object  # what the target path holds now (for an assign target: what the class holds, or wrapt.MISSING)
+class Problem(NamedTuple):
+    """Why the whole patch must not apply here."""
+
+    why: str
+    failed: bool = False  # the check itself could not run (a fault, not a finding): else it is skipped
 
 
 class Resolution(NamedTuple):
     targets: list[Resolved]  # to wrap
     notes: list[str]  # targets left alone, for the status reason
-    problem: tuple[str, str] | None  # (SKIPPED or FAILED, why): the whole patch must not apply
+    problem: Problem | None
 
 
 def resolve(patch: Patch, module_names: list[str], decision: Gate) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here."""
-    from . import assignment, wrapping
+    from . import wrapping
 
     resolved, notes = [], []
     for target in patch.targets:
         if target.module not in module_names:
             continue
         requirement = target.requirement
-        if requirement is not None and not versions.decide(requirement.name, requirement.specifier).admitted:
+        if requirement is not None and not decide(requirement.name, requirement.specifier).admitted:
             notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
         module = sys.modules[target.module]
         owner: object
         try:
             if target.assign:  # the class must exist; the attribute need not
-                owner, original = assignment.resolve_assigned(module, target.path)
+                owner, original = wrapping.resolve_assigned(module, target.path)
             else:
                 owner = original = wrapping.resolve(module, target.path)
         except wrapping.PathResolutionError:
             missing = f"target {target.spec} does not exist in {decision.decision.installed}"
-            return Resolution([], notes, (SKIPPED, missing))
+            return Resolution([], notes, Problem(missing))
         problem = _probe(patch, target, owner, decision.decision.reason)
         if problem is not None:
             return Resolution([], notes, problem)
-        resolved.append(Resolved(target, module, original))
+        resolved.append(wrapping.Resolved(target, module, original))
     return Resolution(resolved, notes, None)
 
 
-def _probe(patch: Patch, target: Target, original: object, gate_reason: str) -> tuple[str, str] | None:
+def _probe(patch: Patch, target: Target, original: object, gate_reason: str) -> Problem | None:
     if target.probe is None:
         return None
     try:
         problem = target.probe(original)
     except Exception as exc:
         # Not proof that upstream changed: the probe itself could not run here.
-        return (
-            FAILED,
+        return Problem(
             f"the shape probe of {target.spec} raised {exc!r}, so the patch is not applied; that is a fault "
             f"of the probe, not a sign that upstream changed: please report it (shim.enable({patch.name!r}) "
             "tries again)",
+            failed=True,
         )
-    return (SKIPPED, f"{problem} ({gate_reason})") if problem else None
+    return Problem(f"{problem} ({gate_reason})") if problem else None

@@ -24,6 +24,27 @@ shim``) answers for a module without asking this one. :func:`sweep` finds such m
 ``sys.modules``, hooks still waiting) and fires their hooks late, saying so (:func:`late_note`), at
 the next import through this finder and when the registry asks (``shim.status()``,
 ``shim.activate()``, ``shim.enable()``): never per call.
+
+The finder (:class:`Finder`) finds nothing by itself. For a module it is told to watch, it asks the
+finders after it in ``sys.meta_path`` directly, with the ``path`` the import system gave it (never
+``importlib.util.find_spec``, which would import and lock the parent package from inside the
+import), and wraps the loader they return so that the module's hooks run right after its body. For
+every other module it answers ``None`` at once.
+
+The shim's locks are made safe across ``os.fork()`` here.
+
+A lock that another thread holds at the moment of ``fork`` stays held forever in the child, where
+that thread does not exist: a DataLoader worker started with ``fork`` while a thread was applying
+a patch would hang at its first target import. So, as ``logging`` does for its own locks, every
+lock the shim owns is created here and:
+
+- before ``fork``, taken by the forking thread (registries' first, then the module locks), so the
+  child never sees the state they protect half-changed; a lock still held after
+  :data:`FORK_WAIT` seconds is left alone (the fork is never blocked for long);
+- after ``fork``, released in the parent and re-initialised in the child.
+
+``fork`` from a thread that is itself inside a registry operation (a hook that forks) is fine:
+the registries' locks are re-entrant.
 """
 
 from __future__ import annotations
@@ -32,15 +53,139 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import forksafe
-from .finder import Finder
+# -- locks that survive os.fork() ------------------------------------------------------------------
+
+#: How long the forking thread waits for each lock another thread holds before forking anyway.
+FORK_WAIT = 5.0
+
+_guard = threading.Lock()  # protects the two collections below
+_outer: weakref.WeakSet[Any] = weakref.WeakSet()  # registries' locks (one per registry)
+_inner: list[Any] = []  # module-level locks (import hooks, effects ledger), in creation order
+_taken: list[Any] = []  # what the forking thread holds between "before" and "after"
+
+
+def fork_safe_rlock() -> threading.RLock:
+    """A re-entrant lock for one registry (kept weakly: a registry may be thrown away)."""
+    lock = threading.RLock()
+    with _guard:
+        _outer.add(lock)
+    return lock
+
+
+def fork_safe_lock() -> threading.Lock:
+    """A module-level lock, taken after every registry's lock around a fork."""
+    new = threading.Lock()
+    with _guard:
+        _inner.append(new)
+    return new
+
+
+def _before() -> None:
+    _guard.acquire()
+    # Registries' locks first: code that holds one may take a module lock, never the reverse.
+    for each in [*_outer, *_inner]:
+        if each.acquire(timeout=FORK_WAIT):
+            _taken.append(each)
+
+
+def _after_in_parent() -> None:
+    while _taken:
+        _taken.pop().release()
+    _guard.release()
+
+
+def _after_in_child() -> None:
+    _taken.clear()
+    for each in [*_outer, *_inner, _guard]:
+        each._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+
+
+# -- the finder ------------------------------------------------------------------------------------
+
+#: ``execute(module, run_body)``: runs the module's body (``run_body()``), then its hooks.
+Execute = Callable[[Any, Callable[[], None]], None]
+
+_resolving = threading.local()  # names this thread is resolving (another finder may call back)
+
+
+class Finder:
+    """A meta path finder that only ever answers for modules ``wanted`` names, through the others."""
+
+    def __init__(self, wanted: Callable[[str], bool], execute: Execute) -> None:
+        self.wanted = wanted
+        self.execute = execute
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not self.wanted(fullname):
+            return None
+        resolving = _resolving.__dict__.setdefault("names", set())
+        if fullname in resolving:  # another finder re-entered the import system for this name
+            return None
+        resolving.add(fullname)
+        try:
+            spec = self._find_with_the_others(fullname, path, target)
+        finally:
+            resolving.discard(fullname)
+        if spec is not None and hasattr(spec.loader, "exec_module") and not isinstance(spec.loader, Loader):
+            spec.loader = Loader(spec.loader, self.execute)
+        return spec
+
+    def _find_with_the_others(self, fullname: str, path: Any, target: Any) -> Any:
+        finders = sys.meta_path
+        start = next((i + 1 for i, finder in enumerate(finders) if finder is self), 0)
+        for finder in finders[start:]:
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+class Loader:
+    """The module's own loader, then the module's hooks. Everything else is the loader's."""
+
+    def __init__(self, loader: Any, execute: Execute) -> None:
+        self.loader = loader
+        self.execute = execute
+
+    def create_module(self, spec: Any) -> Any:
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: Any) -> None:
+        # Introspection (inspect.getsource, importlib.resources) must meet the real loader.
+        if getattr(module, "__loader__", None) in (None, self):
+            try:
+                module.__loader__ = self.loader
+            except AttributeError:
+                pass
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.loader
+        self.execute(module, lambda: self.loader.exec_module(module))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+# -- post-import hooks -----------------------------------------------------------------------------
 
 Hook = Callable[[Any], None]
 
-_lock = forksafe.lock()
+_lock = fork_safe_lock()
 _hooks: dict[str, list[Hook]] = {}  # module name -> hooks waiting for it to finish executing
 _on_reload: dict[str, list[Hook]] = {}  # module name -> hooks for every later reload of it
 _watchers: dict[str, threading.Thread] = {}  # module another thread is still executing -> its watcher

@@ -7,14 +7,11 @@ Imported only when a status is asked for, never by ``import shim`` itself.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import effects, gating, versions
-from .entry import and_
-from .states import APPLIED, DISABLED, FAILED, PENDING, SUSPENDED_REASON
+from . import runtime
 
 if TYPE_CHECKING:
     from .entry import Entry
@@ -50,29 +47,10 @@ class PatchStatus:
 
 
 def status_of(entry: Entry, forced: bool) -> PatchStatus:
-    """What ``shim.status()`` says of one patch: the registry's state, refined by what can be known
-    without applying anything (the gate of a patch still pending, a layer replaced since)."""
+    """What ``shim.status()`` says of one patch: its entry's state (:meth:`Entry.view`), the
+    declaration, and the effects it has had."""
     declared = entry.declared
-    state, reason, installed = entry.state, entry.reason, entry.installed
-    if state == PENDING and entry.gate is None:
-        # Decided here rather than at activation, where it would cost every ``import shim`` a
-        # metadata read (the log decides it the same way, when it shows the line).
-        state, reason, installed = gating.pending(declared, reason, forced)
-    elif installed is None:
-        installed = versions.installed_version(declared.distribution)
-    if state == APPLIED and entry.layers:
-        stale = entry.layers.stale()
-        gone = sorted({layer.module_name for layer in stale if sys.modules.get(layer.module_name) is None})
-        if stale and len(gone) == len({layer.module_name for layer in stale}):
-            # The import the patch was applied in failed after it (another hook raised, in strict mode).
-            state = PENDING if len(stale) == len(entry.layers.installed) else APPLIED
-            are = "is" if len(gone) == 1 else "are"
-            reason = f"{reason}; the import of {and_(gone)} failed: it applies again when {and_(gone)} {are} imported"
-        elif stale:
-            replaced = entry.layers.describe(stale)
-            state, reason = FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
-    if entry.switch.suspended and state in (APPLIED, PENDING):
-        state, reason = DISABLED, SUSPENDED_REASON
+    state, reason, installed = entry.view(forced)
     try:
         patch: Patch | None = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
@@ -86,8 +64,8 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         installed=installed,
         summary=patch.summary if patch else "",
         references=links(patch.references) if patch else (),
-        effects=effects.count(declared.name),
-        last_effect=effects.last(declared.name),
+        effects=runtime.count(declared.name),
+        last_effect=runtime.last(declared.name),
     )
 
 

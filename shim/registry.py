@@ -1,10 +1,11 @@
-"""The patch registry: when to apply each patch, and its switches.
+"""The patch registry: the table of patches, its lock, the import hooks, and the public API.
 
 Applying is lazy: each target is wrapped right after its module finishes importing (post-import
-hooks, ``shim.importhooks``), or at once if it already has. Each patch's own life is in
-``shim.entry``: what applies is decided by ``shim.gating`` (gate, probes), how by ``shim.layers``
-(wrap, rebind, roll back), and what to tell the user by ``shim.records``. Nothing here imports a target module, and ``import shim`` imports
-neither wrapt, nor ``packaging``, nor a patch module: they wait for the first target.
+hooks, ``shim.importhooks``), or at once if it already has. The registry only says what happened
+(the user switched a patch, a target module finished importing); each patch's life, what that
+means for it, is its :class:`~shim.entry.Entry`'s. Nothing here imports a target module, and
+``import shim`` imports neither wrapt, nor ``packaging``, nor a patch module: they wait for the
+first target.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import forksafe, importhooks, settings
+from . import importhooks, settings
 from .entry import Entry
-from .errors import PatchError
-from .states import APPLIED, DISABLED, FAILED, OFF_BY_API, PENDING
+from .settings import PatchError
 
 if TYPE_CHECKING:
     from .patch import Declared, Patch
     from .records import PatchStatus
-    from .switch import Switch
+    from .runtime import Switch
 
 log = logging.getLogger("shim")
 
@@ -31,8 +31,9 @@ class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
     def __init__(self, patches: Sequence[Declared] = ()) -> None:
-        self._lock = forksafe.rlock()
+        self._lock = importhooks.fork_safe_rlock()
         self._entries: dict[str, Entry] = {}
+        self._hooks: dict[tuple[str, str], importhooks.Hook] = {}  # (patch, module or "reload:" + module) -> hook
         self._active = False
         for patch in patches:
             self.register(patch)
@@ -68,7 +69,7 @@ class Registry:
         with self._lock:
             self._active = True
             for entry in self._entries.values():
-                entry.active = True
+                entry.activate()
             names = tuple(self._entries)
         importhooks.sweep("shim.activate()")
         for name in names:
@@ -79,15 +80,10 @@ class Registry:
         its import hooks (the shim's finder leaves ``sys.meta_path`` when no registry has any)."""
         with self._lock:
             self._active = False
-            hooks: list[tuple[str, importhooks.Hook]] = []
             for entry in self._entries.values():
-                entry.active = False
-                entry.remove()
-                entry.forget_progress()
-                entry.set(DISABLED, "shim.deactivate() was called")
-                hooks += entry.hooked.items()
-                entry.hooked.clear()
-        for key, hook in hooks:
+                entry.deactivate()
+            hooks, self._hooks = self._hooks, {}
+        for (_, key), hook in hooks.items():
             importhooks.cancel(key.removeprefix("reload:"), hook)
 
     def enable(self, *names: str) -> None:
@@ -100,12 +96,7 @@ class Registry:
         names = self._resolve(names)
         with self._lock:
             for name in names:
-                entry = self._entries[name]
-                entry.switch.disabled = False
-                entry.switch.update()
-                entry.explicit = entry.active = True
-                if entry.settled and entry.state == FAILED:
-                    entry.forget_progress()
+                self._entries[name].enable()
         importhooks.sweep("shim.enable()")
         for name in names:
             self._try_apply(name)
@@ -114,33 +105,25 @@ class Registry:
         """Switch patches off at once (all when no names are given); their layers stay, inert."""
         with self._lock:
             for name in self._resolve(names):
-                entry = self._entries[name]
-                entry.switch.disabled = True
-                entry.switch.update()
-                entry.explicit = False
-                if entry.state in (APPLIED, PENDING):
-                    entry.set(DISABLED, OFF_BY_API)
+                self._entries[name].disable()
 
     @contextlib.contextmanager
     def disabled(self, *names: str) -> Iterator[None]:
         """Switch patches off inside the block (all when no names are given). Process-wide, not per thread."""
         with self._lock:
-            switches = [self._entries[name].switch for name in self._resolve(names)]
-            for switch in switches:
-                switch.suspended += 1
-                switch.update()
+            entries = [self._entries[name] for name in self._resolve(names)]
+            for entry in entries:
+                entry.suspend(+1)
         try:
             yield
         finally:
             with self._lock:
-                for switch in switches:
-                    switch.suspended -= 1
-                    switch.update()
+                for entry in entries:
+                    entry.suspend(-1)
 
     def is_on(self, name: str) -> bool:
         """Whether patch ``name`` is applied and its wrappers act right now."""
-        entry = self._entry(name)
-        return entry.state == APPLIED and bool(entry.switch)
+        return self._entry(name).is_on
 
     def switch_of(self, name: str) -> Switch:
         """The live on/off switch of patch ``name``, for a hook or function the patch installs
@@ -174,13 +157,10 @@ class Registry:
     def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(self._entry(name).name for name in names) or tuple(self._entries)
 
-    def _hook(self, name: str, reload: bool = False) -> importhooks.Hook:
+    def _hook(self, name: str) -> importhooks.Hook:
         def hook(module: object) -> None:
             # Never let an exception escape into the user's import, unless strict mode asks for it.
             try:
-                if reload:
-                    with self._lock:
-                        self._entries[name].drop_stale()
                 self._try_apply(name, getattr(module, "__name__", None), importhooks.late_note())
             except PatchError:
                 raise
@@ -190,37 +170,15 @@ class Registry:
         return hook
 
     def _try_apply(self, name: str, finished: str | None = None, late: str | None = None) -> None:
-        """Apply what is ready; ``finished``: the module whose hook fired (``late``: past it)."""
+        """Let patch ``name`` advance; ``finished``: the module whose hook fired (``late``: past it)."""
         with self._lock:
-            entry = self._entries[name]
-            if not entry.active or entry.settled:
-                return
-            if entry.switch.disabled:
-                if entry.state == DISABLED:  # after deactivate()/activate(): say why it stays off
-                    entry.set(DISABLED, OFF_BY_API)
-                return
-            entry.drop_stale()
             config = settings.read(self._entries)
-            opted_out = config.disable_all or name in config.disabled
-            if opted_out and not entry.explicit and not entry.layers:
-                variable = "SHIM_DISABLE=all" if config.disable_all else f"SHIM_DISABLE={name}"
-                entry.set(DISABLED, f"opted out with {variable}")
-                return
-            todo = [m for m in entry.declared.modules if m not in entry.done_modules]
-            ready = [m for m in todo if m == finished or importhooks.finished(m)]
-            waiting = [m for m in todo if m not in ready]
-            done = set(entry.done_modules)
-            problem = entry.apply(ready, name in config.forced, late) if ready else None
-            if not entry.settled:
-                added = [m for m in ready if m in entry.done_modules and m not in done]
-                entry.settle(waiting, added, name in config.forced, late)
-            keys = [m for m in waiting if m not in entry.hooked]
-            keys += [f"reload:{m}" for m in entry.done_modules if f"reload:{m}" not in entry.hooked]
-            new_hooks = {key: self._hook(name, reload=key.startswith("reload:")) for key in keys}
-            entry.hooked.update(new_hooks)
-            if problem is not None and config.strict:
-                entry.forget_progress()  # not settled: a retried import (or activate) tries again
-                raise PatchError(f"patch {name!r} did not apply: {problem} (SHIM_STRICT=1)")
+            progress = self._entries[name].advance(
+                lambda module: module == finished or importhooks.finished(module), config, late
+            )
+            keys = [*progress.waiting, *(f"reload:{module}" for module in progress.done)]
+            new_hooks = {key: self._hook(name) for key in keys if (name, key) not in self._hooks}
+            self._hooks.update(((name, key), hook) for key, hook in new_hooks.items())
         # Registered outside the lock: a hook runs at once if another thread has just finished the
         # import, and it takes the lock itself.
         for key, hook in new_hooks.items():
@@ -228,6 +186,8 @@ class Registry:
                 importhooks.when_reloaded(key.removeprefix("reload:"), hook)
             else:
                 importhooks.when_imported(key, hook)
+        if progress.problem is not None and config.strict:
+            raise PatchError(f"patch {name!r} did not apply: {progress.problem} (SHIM_STRICT=1)")
 
 
 def unknown(name: object, known: list[str]) -> str:

@@ -15,7 +15,17 @@ import warnings
 from collections.abc import Iterable
 from types import FrameType
 
-from .errors import ShimWarning
+
+class PatchError(RuntimeError):
+    """A patch could not be applied and the user asked for strict mode (``SHIM_STRICT=1``).
+
+    Outside strict mode the same problem is only logged and shown by ``python -m shim``.
+    """
+
+
+class ShimWarning(UserWarning):
+    """A configuration problem the shim worked around (bad environment value, shadowed package)."""
+
 
 ALL = frozenset({"all", "1", "true", "*"})
 NONE = frozenset({"", "0", "false", "none"})

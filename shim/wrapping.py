@@ -1,8 +1,20 @@
-"""Installing and removing the shim's own wrapt layer on one target attribute.
+"""Putting the shim's layers in targets and taking them off: one target at a time (wrapt), the
+assign targets' descriptors, and everything one patch has installed (:class:`Layers`).
 
 The sentinel that makes application idempotent lives on the wrapper in the target, not in the
 shim's module state: a reloaded ``shim`` or a second registry finds the layer already there with
-``wrapt.find_wrapper`` and adopts it instead of adding another.
+``wrapt.find_wrapper`` and adopts it (with its switch) instead of adding another.
+
+Assign targets (``Target(..., assign=True)``): the shim's layer on an attribute that instances of
+a class are assigned, which sees every value assigned while its patch is on and never a read.
+The layer has the shape of wrapt's ``AttributeWrapper``: a data descriptor on the class whose
+``__wrapped__`` is what the class held before (another layer, a descriptor, a plain class default)
+or ``wrapt.MISSING``, so layers stack and ``wrapt.wrapper_chain``/``find_wrapper`` see them as they
+see the shim's function layers. It is a slotted class rather than a wrapt proxy: it is passed on
+every assignment of the attribute (per layer, per enable and disable) and read on every
+checkpointed layer call, and a proxy's attribute reads made each of those six times dearer.
+
+Imported when the first patch applies, never by ``import shim`` itself (wrapt waits until then).
 """
 
 from __future__ import annotations
@@ -11,14 +23,20 @@ import copy
 import functools
 import importlib
 import inspect
+import logging
 import sys
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import wrapt
 
-from . import assignment
-from .switch import Switch
+from .runtime import Switch
+
+if TYPE_CHECKING:
+    from .patch import Patch, Target
+
+log = logging.getLogger("shim")
 
 # Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
 _PATCH_ATTRIBUTE = "_self_shim_patch"
@@ -174,7 +192,7 @@ def install(
     ``assign``: ``wrapper(instance, value)`` is given each value assigned to an instance attribute
     and returns the value to store (:class:`_AssignmentLayer`)."""
     if assign:
-        return assignment.install(module, path, name, wrapper, switch)
+        return _install_assigned(module, path, name, wrapper, switch)
     parent, attribute, _original = wrapt.resolve_path(module, path)
     owner = parent if isinstance(parent, type) else None
     inherited = owner is not None and attribute not in vars(owner)
@@ -193,10 +211,8 @@ def install(
 
 def remove(module: object, path: str, handle: object) -> str | None:
     """Remove our layer only, whatever sits above it; returns a reason when it cannot be removed."""
-    if type(handle) is assignment.AssignmentLayer:
-        if assignment.remove(module, path, handle) or not wrapt.is_wrapped_by(
-            getattr(handle.owner, handle.attribute, None), handle
-        ):
+    if type(handle) is AssignmentLayer:
+        if _remove_assigned(handle) or not wrapt.is_wrapped_by(getattr(handle.owner, handle.attribute, None), handle):
             return None
         return f"{handle!r} is under another descriptor of {handle.owner.__qualname__}.{handle.attribute}"
     try:
@@ -248,3 +264,247 @@ def unbind(rebound: list[tuple[Any, str]], replacement: object, original: object
     for module, attribute in rebound:
         if getattr(module, attribute, None) is replacement:
             setattr(module, attribute, original)
+
+
+# -- assign targets ---------------------------------------------------------------------------------
+
+MISSING = wrapt.MISSING
+
+
+def _is_data_descriptor(value: object) -> bool:
+    kind = type(value)
+    return hasattr(kind, "__get__") and (hasattr(kind, "__set__") or hasattr(kind, "__delete__"))
+
+
+class AssignmentLayer:
+    """One patch's layer on ``owner.attribute``: ``assigned(instance, value)`` is given each value
+    assigned on an instance while the patch's switch is on, and returns what to store; a read
+    returns what is stored (raising ``AttributeError``, handed on to the class's ``__getattr__``,
+    as when the attribute was never set), and never runs the patch."""
+
+    __slots__ = ("__wrapped__", "_self_shim_patch", "_self_shim_switch", "attribute", "assigned", "owner")
+
+    def __init__(
+        self, prior: Any, owner: type, attribute: str, assigned: Callable[[Any, Any], Any], name: str, switch: Switch
+    ) -> None:
+        self.__wrapped__ = prior
+        self.owner, self.attribute, self.assigned = owner, attribute, assigned
+        self._self_shim_patch, self._self_shim_switch = name, switch
+
+    def _beneath(self) -> Any:
+        """The first thing under the shim's layers: a descriptor, a class default, or MISSING."""
+        prior = self.__wrapped__
+        while type(prior) is AssignmentLayer:
+            prior = prior.__wrapped__
+        return prior
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        prior = self._beneath()
+        if prior is MISSING or not hasattr(type(prior), "__get__"):
+            try:
+                return instance.__dict__[self.attribute]
+            except KeyError:
+                if prior is MISSING:
+                    raise AttributeError(self.attribute) from None
+                return prior  # a plain class default
+        if _is_data_descriptor(prior) or self.attribute not in instance.__dict__:
+            return prior.__get__(instance, owner)
+        return instance.__dict__[self.attribute]
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        layer = self
+        while True:  # down the shim's layers in one frame
+            if layer._self_shim_switch.on:
+                value = layer.assigned(instance, value)
+            prior = layer.__wrapped__
+            if type(prior) is not AssignmentLayer:
+                break
+            layer = prior
+        if prior is not MISSING and hasattr(type(prior), "__set__"):
+            prior.__set__(instance, value)
+        else:
+            instance.__dict__[self.attribute] = value
+
+    def __delete__(self, instance: Any) -> None:
+        prior = self._beneath()
+        if prior is not MISSING and hasattr(type(prior), "__delete__"):
+            prior.__delete__(instance)
+            return
+        try:
+            del instance.__dict__[self.attribute]
+        except KeyError:
+            raise AttributeError(self.attribute) from None
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        return getattr, (self.owner, self.attribute)  # by reference, as its class pickles
+
+    def __copy__(self) -> AssignmentLayer:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AssignmentLayer:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<shim assign layer {self._self_shim_patch!r} on {self.owner.__qualname__}.{self.attribute}>"
+
+
+def resolve_assigned(module: object, path: str) -> tuple[type, Any]:
+    """For an assign target ``Class.attribute``: the class, and what it holds for the attribute
+    (found along its MRO), or ``wrapt.MISSING`` (raises ``wrapt.PathResolutionError``)."""
+    owner_path, _, attribute = path.rpartition(".")
+    owner = wrapt.resolve_path(module, owner_path)[2]
+    if not isinstance(owner, type):
+        raise wrapt.PathResolutionError(f"{owner_path} is not a class")
+    for cls in owner.__mro__:
+        if attribute in vars(cls):
+            return owner, vars(cls)[attribute]
+    return owner, MISSING
+
+
+def _install_assigned(module: object, path: str, name: str, assigned: Callable[[Any, Any], Any], switch: Switch) -> Any:
+    """Put patch ``name``'s :class:`AssignmentLayer` on ``module.Class.attribute``; returns it."""
+    owner, prior = resolve_assigned(module, path)
+    layer = AssignmentLayer(prior, owner, path.rpartition(".")[2], assigned, name, switch)
+    setattr(owner, layer.attribute, layer)
+    return layer
+
+
+def _remove_assigned(handle: AssignmentLayer) -> bool:
+    """Take ``handle`` off: from the class when it is outermost there (the class gets back what it
+    held, or loses the attribute), or from under the shim's other layers. False when it is not
+    found there (replaced, or under something else)."""
+    owner, attribute = handle.owner, handle.attribute
+    current = vars(owner).get(attribute, MISSING)
+    if current is handle:
+        prior = handle.__wrapped__
+        inherited = next((vars(c)[attribute] for c in owner.__mro__[1:] if attribute in vars(c)), MISSING)
+        if prior is MISSING or prior is inherited:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, prior)
+        return True
+    while type(current) is AssignmentLayer:
+        if current.__wrapped__ is handle:
+            current.__wrapped__ = handle.__wrapped__
+            return True
+        current = current.__wrapped__
+    return False
+
+
+# -- what one patch has installed -------------------------------------------------------------------
+
+
+class Layer(NamedTuple):
+    module: Any  # the module object the target lives in
+    path: str  # the attribute path in it
+    handle: Any  # our wrapper
+    original: Any  # what it wraps
+    owner: Callable[[], Any]  # (a weak reference to) the object holding it: a class, or the module
+    attribute: str  # its name there
+    module_name: str  # the target module's name, under which sys.modules holds ``module``
+
+
+def _reference(obj: object) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # an object without weak references: held, as wrapt holds it anyway
+        return lambda: obj
+
+
+class Resolved(NamedTuple):
+    target: Target
+    module: Any  # the imported module object
+    original: object  # what the target path holds now (for an assign target: what the class holds, or wrapt.MISSING)
+
+
+class Layers:
+    """Everything one patch has installed: its layers and the consumer names it rebound."""
+
+    __slots__ = ("name", "installed", "replaced", "rebound")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.installed: list[Layer] = []
+        # Layers whose target was replaced (a reload makes new classes): the old class, still the
+        # base of models built before, keeps its layer, working, until the patch comes off.
+        self.replaced: list[Layer] = []
+        self.rebound: list[tuple[Any, str, Any, Any]] = []  # (module, attribute, handle, original)
+
+    def __bool__(self) -> bool:
+        return bool(self.installed or self.rebound)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether any of its layers is in place, also one a reload left on an old class."""
+        return bool(self.installed or self.rebound or self.replaced)
+
+    def wrap(self, patch: Patch, resolved: list[Resolved], switch: Switch) -> tuple[Switch, list[str]]:
+        """Wrap each resolved target (or adopt the layer already there); rebind the patch's
+        consumers. Returns the switch the layers answer to and the names it could not rebind.
+        An exception leaves the layers added so far in :attr:`installed`, for :meth:`remove`."""
+        added = []
+        for target, module, original in resolved:
+            handle = find_shim_wrapper(original, patch.name)
+            if handle is not None:
+                # Another registry (or a reloaded shim) already applied it: adopt that layer
+                # and share its switch instead of adding a second one.
+                switch = switch_of(handle)
+                original = handle.__wrapped__
+            else:
+                handle = install(module, target.path, patch.name, target.wrapper, switch, target.assign)
+            owner, attribute = owner_of(module, target.path)
+            layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
+            self.installed.append(layer)
+            added.append(layer)
+        missed: list[str] = []
+        for layer in added if patch.consumers else ():
+            rebound, failed = rebind(patch.consumers, layer.original, layer.handle)
+            self.rebound.extend((module, attribute, layer.handle, layer.original) for module, attribute in rebound)
+            missed.extend(f"could not rebind {module}.{attribute}" for module, attribute in failed)
+        return switch, missed
+
+    def remove(self) -> None:
+        """Take every layer off, whatever sits above it; a layer that cannot be spliced out stays,
+        and the caller switches it off (it is adopted again on the next activation)."""
+        for module, attribute, handle, original in self.rebound:
+            unbind([(module, attribute)], handle, original)
+        self.rebound.clear()
+        stuck = [problem for layer in reversed(self.installed) if (problem := remove(*layer[:3]))]
+        for layer in self.replaced:  # from the old object it sits in, if that still holds it
+            owner = layer.owner()
+            if owner is not None and (problem := remove(owner, layer.attribute, layer.handle)):
+                stuck.append(problem)
+        self.installed.clear()
+        self.replaced.clear()
+        if stuck:
+            log.warning("%s: left in place switched off: %s", self.name, "; ".join(stuck))
+
+    def stale(self) -> list[Layer]:
+        """Layers no longer in place: their target was replaced (``importlib.reload``, assignment),
+        or their module was (a failed import discards it; the next one makes a new module)."""
+        stale = []
+        for layer in self.installed:
+            if sys.modules.get(layer.module_name) is not layer.module:
+                stale.append(layer)
+                continue
+            try:
+                current = resolve(layer.module, layer.path)
+            except PathResolutionError:
+                stale.append(layer)
+                continue
+            if find_shim_wrapper(current, self.name) is not layer.handle:
+                stale.append(layer)
+        return stale
+
+    def drop_stale(self) -> set[str]:
+        """Set aside the layers whose target was replaced; returns their modules, to apply again."""
+        stale = self.stale() if self.installed else []
+        for layer in stale:
+            self.installed.remove(layer)
+            self.replaced.append(layer)
+        return {layer.module_name for layer in stale}
+
+    def describe(self, layers: list[Layer]) -> str:
+        return ", ".join(f"{getattr(layer.module, '__name__', layer.module)}:{layer.path}" for layer in layers)

@@ -115,7 +115,7 @@ def test_layers_stack_in_after_order_and_come_off_in_any_order(fake_modules):
     layer.slot = []
     assert layer.slot == ["outer"]
     registry.enable("inner")
-    registry._entries["inner"].remove()  # spliced out from under the outer layer
+    registry._entries["inner"].deactivate()  # spliced out from under the outer layer
     layer.slot = []
     assert layer.slot == ["outer"]
     registry.deactivate()

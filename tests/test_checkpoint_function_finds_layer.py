@@ -16,7 +16,7 @@ from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.patches._checkpoint_function import LayerCheckpoint
 from shim.selfcheck.models import tiny_llama
 from shim.selfcheck.steps import (

@@ -765,4 +765,4 @@ def test_an_enable_passes_each_layer_through_each_step_once():
         calls[("_checkpoint_path.py", "assigned")] + calls[("replaced_forward_keeps_checkpointing.py", "_assigned")]
     )
     assert looked == len(steps) * 4, calls  # each step, once per layer
-    assert calls[("assignment.py", "__set__")] == 4, calls  # one pass down the stacked layers per layer
+    assert calls[("wrapping.py", "__set__")] == 4, calls  # one pass down the stacked layers per layer

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.patches.ddp_find_unused_for_checkpointing import (
     NAME,
     ddp_decision,

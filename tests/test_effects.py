@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.patches._checkpointing import disable, enable
 from shim.selfcheck.models import frozen_llama_class, tiny_llama_config
 from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads

@@ -24,8 +24,8 @@ from shim import (
     Registry,
     ShimWarning,
     Target,
+    gating,
     settings,
-    versions,
 )
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
@@ -191,7 +191,7 @@ def test_two_patches_stacked_on_an_inherited_method_leave_it_inherited_when_remo
 
     for name in ("inner", "outer") if order == "inner first" else ("outer", "inner"):
         registry.disable(name)
-        registry._entries[name].remove()  # what deactivate() does, one patch at a time
+        registry._entries[name].deactivate()  # what registry.deactivate() does, one patch at a time
     assert "__call__" not in vars(module.Layer), "the class inherits the method again"
     assert module.Layer()(1) == 1
 
@@ -369,7 +369,7 @@ def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_module
 )
 def test_pre_dev_and_local_builds_are_gated_as_their_release(monkeypatch, installed, gated_as, admitted):
     monkeypatch.setitem(sys.modules, "gatedist", types.SimpleNamespace(__version__=installed))
-    decision = versions.decide("gatedist", make_patch("x", requires=">=5.0,<5.25").specifier)
+    decision = gating.decide("gatedist", make_patch("x", requires=">=5.0,<5.25").specifier)
     assert (decision.gated_as, decision.admitted) == (gated_as, admitted)
     assert f"{installed} (gated as {gated_as})" in decision.reason
 
@@ -465,7 +465,7 @@ def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypat
 
     broken = Registry([make_patch(pkg, "other:f")])
     broken.activate()
-    monkeypatch.setattr(versions, "decide", lambda *a: 1 / 0)
+    monkeypatch.setattr(gating, "decide", lambda *a: 1 / 0)
     with caplog.at_level(logging.ERROR, logger="shim"):
         other = importlib.import_module(f"{pkg}.other")
     assert other.f(1) == 1

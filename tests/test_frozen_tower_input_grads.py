@@ -15,7 +15,7 @@ import transformers
 import transformers.modeling_utils  # noqa: F401  (the target module: the patch applies when it is imported)
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.patches._checkpointing import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
 from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower

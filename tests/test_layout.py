@@ -89,6 +89,8 @@ def test_the_wings_sit_beside_the_engine():
     wings = sorted(path.name for path in ENGINE.iterdir() if (path / "__init__.py").is_file())
     assert wings == ["selfcheck", "tools"]
     assert not {"cli.py", "doctor.py", "run.py", "tinymodels.py"} & set(top)
+    # A room per job of the engine, not a file per helper: a reader takes in the engine at a glance.
+    assert len(top) <= 12, f"the engine's top level has {len(top)} modules: {top}"
 
 
 def test_the_engine_has_no_import_circle():

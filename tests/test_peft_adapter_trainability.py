@@ -16,7 +16,7 @@ import pytest
 from packaging.version import Version
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama_config
 
 peft = pytest.importorskip("peft")

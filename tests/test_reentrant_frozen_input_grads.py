@@ -17,7 +17,7 @@ import transformers.modeling_utils  # noqa: F401  (the target module: the patch 
 from torch.utils.checkpoint import checkpoint
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.patches._checkpointing import is_reentrant
 from shim.selfcheck.models import frozen_input_llama
 from shim.selfcheck.steps import enable_checkpointing, trainable_grads, wrong_grads

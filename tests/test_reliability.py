@@ -551,7 +551,8 @@ def test_every_import_order_ends_with_each_patch_applied_once_and_the_fix_shown(
 FORK_SETUP = """
 import importlib, json, os, signal, sys, tempfile, threading, time
 import shim
-from shim import Patch, Registry, Target, effects, importhooks
+from shim import Patch, Registry, Target, importhooks
+from shim import runtime as effects
 root = tempfile.mkdtemp()
 pkg = "forked_targets"
 os.makedirs(os.path.join(root, pkg))

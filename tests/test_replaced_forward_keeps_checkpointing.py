@@ -15,7 +15,7 @@ from packaging.version import Version
 from transformers.models.llama import modeling_llama
 
 import shim
-from shim import effects
+from shim import runtime as effects
 from shim.selfcheck.models import replaced_forward_llama, tiny_llama
 from shim.selfcheck.steps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
 

@@ -20,7 +20,7 @@ DISTRIBUTIONS = ("transformers", "trl", "peft", "accelerate", "torch")
 CELL_PROBE = """
 import importlib.metadata as md, json, re, shim
 from packaging.specifiers import SpecifierSet
-from shim import versions
+from shim import gating
 def version(name):
     try:
         return md.version(name)
@@ -29,13 +29,13 @@ def version(name):
 patches = []
 for name in shim.registry.names:
     patch = shim.registry.patch(name)
-    decision = versions.decide(patch.distribution, patch.specifier)
+    decision = gating.decide(patch.distribution, patch.specifier)
     targets = []
     for target in patch.targets:
         requires = getattr(target, "requires", "") or ""
         if requires:
             distribution, specifier = re.match(r"\\s*([A-Za-z0-9_.-]+)\\s*(.*)$", str(requires)).groups()
-            gate = versions.decide(distribution, SpecifierSet(specifier))
+            gate = gating.decide(distribution, SpecifierSet(specifier))
             targets.append(dict(target=target.spec, distribution=distribution, requires=specifier,
                                 gated_as=gate.gated_as, admitted=gate.admitted))
         else:

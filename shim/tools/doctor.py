@@ -11,9 +11,9 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import versions
+from .. import gating
+from ..entry import APPLIED, DISABLED
 from ..registry import Registry
-from ..states import APPLIED, DISABLED
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"
@@ -56,7 +56,7 @@ def examine(registry: Registry, name: str) -> Finding:
             missing.append(f"{module_name} cannot be imported ({exc})")
     status = next(s for s in registry.status() if s.name == name)
     installed = status.installed or "-"
-    if missing and versions.installed_version(patch.distribution) is None:
+    if missing and gating.installed_version(patch.distribution) is None:
         return Finding(name, installed, status.state, "-", "-", NOT_INSTALLED, status.reason)
     if missing:
         # The distribution is there but a target module is not (e.g. an older release): the
@@ -126,5 +126,5 @@ def notes() -> list[str]:
         minimum = str(integration.MIN_PEFT_VERSION)
     except Exception:  # not installed, or a release without the constant: nothing to say
         minimum = None
-    note = peft_note(versions.installed_version("transformers"), versions.installed_version("peft"), minimum)
+    note = peft_note(gating.installed_version("transformers"), gating.installed_version("peft"), minimum)
     return [note] if note else []

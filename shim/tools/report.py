@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..states import APPLIED
+from ..entry import APPLIED
 from . import processes
 
 if TYPE_CHECKING:

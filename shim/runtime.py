@@ -1,0 +1,95 @@
+"""What a patch's code uses while the model runs: its switch, and the effects ledger.
+
+The switch (:class:`Switch`, ``shim.switch_of``) says whether the patch acts right now; its entry
+(``shim.entry``) sets it. The effects ledger counts how often each patch changed something in this
+process, and what: a patch calls :func:`record` only on the branch where it does something other than upstream (a
+parameter kept frozen, a configuration restored, a call adapted), never on the path where it
+passes a call through, so counting costs nothing there. The first effect of each patch is logged
+once at INFO on the ``shim`` logger; every effect is counted and the last one described in
+``shim.status()`` (``effects``, ``last_effect``) and in ``shim.report()``.
+
+The ledger is per process and keyed by patch name, so it survives a reload of ``shim``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .importhooks import fork_safe_lock
+
+log = logging.getLogger("shim")
+_lock = fork_safe_lock()
+_counts: dict[str, int] = {}
+_last: dict[str, tuple[str, tuple[object, ...]]] = {}
+
+
+class Switch:
+    """Handed to wrapt as each wrapper's ``enabled``; wrapt evaluates it on every call, so
+    flipping it acts at once, even when other wrappers sit on top of ours. ``on`` is precomputed
+    by the entry, so the per-call check is one attribute read. A switch is off until its patch is
+    applied, so a hook or function a patch installs outside its wrappers (``shim.switch_of``)
+    acts only while the patch is applied and switched on.
+
+    A patch that changes something outside its wrappers that must not outlive its switch (a
+    class attribute it replaced) registers :meth:`watch`: the callback is told each time ``on``
+    changes, so it can put things back when the patch goes off and again when it comes back.
+    """
+
+    __slots__ = ("on", "watchers")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.watchers: list[Callable[[bool], object]] = []
+
+    def __bool__(self) -> bool:
+        return self.on
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        self.on = on
+        for watcher in tuple(self.watchers):
+            try:
+                watcher(on)
+            except Exception:  # a switch must always switch: the watcher's failure is logged
+                log.exception("a watcher of a patch's switch failed")
+
+    def watch(self, watcher: Callable[[bool], object]) -> None:
+        """Call ``watcher(on)`` whenever the switch goes on or off (once per watcher)."""
+        if watcher not in self.watchers:
+            self.watchers.append(watcher)
+
+
+def record(patch: str, message: str, *args: object) -> None:
+    """Count one effect of ``patch``, described by ``message % args``.
+
+    The text is formatted only when it is read; ``args`` should be strings and numbers (a class
+    name, never the model), so that the ledger keeps nothing alive.
+    """
+    with _lock:
+        count = _counts.get(patch, 0) + 1
+        _counts[patch] = count
+        _last[patch] = (message, args)
+    if count == 1:
+        log.info("%s: %s (first effect in this process; shim.status() counts the others)", patch, message % args)
+
+
+def count(patch: str) -> int:
+    return _counts.get(patch, 0)
+
+
+def last(patch: str) -> str:
+    """The description of the last effect of ``patch``, or ``""`` while it has none."""
+    entry = _last.get(patch)
+    if entry is None:
+        return ""
+    message, args = entry
+    return message % args
+
+
+def clear() -> None:
+    """Forget every count (tests; a long-lived process that wants a fresh report)."""
+    with _lock:
+        _counts.clear()
+        _last.clear()
