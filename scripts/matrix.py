@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 # The package sits beside this file. Python puts the script's folder on sys.path, but not under -I
-# or PYTHONSAFEPATH, nor when this file is loaded by path (tests/test_matrix.py): add it first.
+# or PYTHONSAFEPATH, nor when this file is loaded by path (tests/project/test_matrix.py): add it first.
 HERE = str(Path(__file__).resolve().parent)
 if sys.path[:1] != [HERE]:
     sys.path.insert(0, HERE)

@@ -8,7 +8,7 @@ The index is generated from each patch module's ``PATCH``, the one declaration o
 stacking order (after the patches each names in ``Patch.after``; otherwise by name)::
 
     python -m shim.patches --write    # rewrite patches/__init__.py's index
-    python -m shim.patches --check    # exit 1 when it is stale (tests/test_catalogue.py does this)
+    python -m shim.patches --check    # exit 1 when it is stale (tests/project/test_catalogue.py does this)
 """
 
 from __future__ import annotations

@@ -49,11 +49,11 @@ print(json.dumps(dict(versions={d: version(d) for d in __DISTRIBUTIONS__}, patch
 """.replace("__DISTRIBUTIONS__", repr(DISTRIBUTIONS))
 
 
-#: Tests that a cell runs besides each patch's own ``tests/test_<patch module>.py``: the gradient
+#: Tests that a cell runs besides each patch's own ``tests/patches/test_<patch module>.py``: the gradient
 #: comparisons of the checkpointing family and the everyday workflows with the shim off and on.
 CELL_TESTS = (
-    "tests/test_checkpointing_gradients.py",
-    "tests/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim",
+    "tests/patches/test_checkpointing_gradients.py",
+    "tests/do_no_harm/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim",
 )
 
 
@@ -63,9 +63,8 @@ def cell_tests() -> list[str]:
     and :data:`CELL_TESTS`. The rest of the suite (the engine, the command line, import orders,
     processes) is the same on every release and runs in the default cell."""
     modules = sorted(path.stem for path in (ROOT / "patches").glob("[a-z]*.py"))
-    return [f"tests/test_{name}.py" for name in modules if (ROOT / "tests" / f"test_{name}.py").exists()] + list(
-        CELL_TESTS
-    )
+    own = [ROOT / "tests" / "patches" / f"test_{name}.py" for name in modules]
+    return [str(path.relative_to(ROOT)) for path in own if path.exists()] + list(CELL_TESTS)
 
 
 def suite_command(cell: Cell) -> list[str]:

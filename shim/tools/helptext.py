@@ -1,4 +1,4 @@
-"""The help texts of ``python -m shim``, fitted to 100 columns (``tests/test_cli_edges.py``)."""
+"""The help texts of ``python -m shim``, fitted to 100 columns (``tests/tools/test_cli_edges.py``)."""
 
 ENVIRONMENT = """\
 environment variables (read when a patch applies, so set them before importing transformers):

@@ -1,6 +1,6 @@
 """``torch.compile`` on stock tiny decoders, and the two reentrant fixes compiled.
 
-Cases, ``python tests/workflows/compiled.py CASE ...``:
+Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
 
 - ``<model>/eval/<backend>``: ``torch.compile(model)``, an eval forward under ``no_grad``; its logits
   against the uncompiled model's;
@@ -35,7 +35,7 @@ import torch
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
-from tests.workflows import digest, grads, input_ids, quiet, run_cases, weights
+from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, weights
 
 RTOL, ATOL = 1e-5, 1e-6  # shim.selfcheck.steps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
 MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: tinymodels.tiny_qwen2(2)}

@@ -24,8 +24,8 @@ from shim import patches as catalogue
 from shim.patches._checkpointing import ModelState, disable, enable, layer_state
 from shim.selfcheck.models import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_name_of
-from tests.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
 from tests.conftest import ROOT
+from tests.patches.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
 
 ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 
@@ -375,7 +375,7 @@ def test_a_reloaded_target_module_is_patched_again():
 
 def test_a_target_replaced_by_hand_is_reported_and_activate_wraps_it_again(fake_modules):
     from shim import FAILED, Registry
-    from tests.test_engine import TARGET, make_patch
+    from tests.engine.fakes import TARGET, make_patch
 
     pkg = fake_modules(target=TARGET)
     module = importlib.import_module(f"{pkg}.target")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import shim
-from tests.checkpointing_cases import (
+from shim.patches._checkpointing import disable, enable
+from tests.patches.checkpointing_cases import (
     DISABLE,
     ENABLE,
     TRANSFORMERS,
@@ -353,3 +354,22 @@ def test_a_layer_replaced_added_or_removed_between_cycles_is_captured_too(change
     assert {name: state for name, state in describe(model).items() if name.startswith("model.layers.")} == {
         f"model.layers.{index}": configured for index in range(len(layers))
     }
+
+
+def test_checkpointing_restore_counts_restored_configurations_only(ledger):
+    model = tiny_llama()
+    configure(model, None)  # transformers' defaults: a cycle changes nothing
+    quietly(disable, model)
+    quietly(enable, model, None)
+    assert ledger("checkpointing-restore") == (0, "")
+
+    configure(model, {"use_reentrant": True, "preserve_rng_state": False})
+    quietly(disable, model)
+    quietly(enable, model, None)
+    count, last = ledger("checkpointing-restore")
+    assert count == 1
+    assert last.startswith("LlamaForCausalLM was re-enabled without a configuration: transformers reset it to ")
+    modules = sum(1 for module in model.modules() if hasattr(module, "gradient_checkpointing"))
+    assert last.endswith(
+        f"the shim restored {{'use_reentrant': True, 'preserve_rng_state': False}} on {modules} module(s)"
+    )

@@ -20,7 +20,7 @@ from shim.patches._checkpointing import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
 from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper
-from tests.checkpointing_cases import TRANSFORMERS
+from tests.patches.checkpointing_cases import TRANSFORMERS
 
 NAME = "frozen-tower-input-grads"
 DEDUPE = "input-grad-hook-dedupe"  # stacked on the same method
@@ -130,7 +130,7 @@ def test_the_models_own_embeddings_keep_upstreams_hook():
 
 
 def test_a_text_only_model_keeps_upstreams_hooks_untouched():
-    from tests.checkpointing_cases import tiny_llama
+    from tests.patches.checkpointing_cases import tiny_llama
 
     model = tiny_llama()
     enable(model, None)

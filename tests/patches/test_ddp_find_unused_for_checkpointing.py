@@ -23,7 +23,7 @@ from shim.patches.ddp_find_unused_for_checkpointing import (
     model_wrapper_class,
     wraps_in_ddp,
 )
-from tests.checkpointing_cases import TRANSFORMERS, configure, quietly, tiny_llama
+from tests.patches.checkpointing_cases import TRANSFORMERS, configure, quietly, tiny_llama
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 needs_peft = pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")

@@ -208,7 +208,7 @@ def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
     from shim.patches import INDEX
 
     names = [f"test_{row['module']}.py" for row in INDEX]
-    patch_tests = [f"tests/{name}" for name in names if (ROOT / "tests" / name).exists()]
+    patch_tests = [f"tests/patches/{name}" for name in names if (ROOT / "tests" / "patches" / name).exists()]
     assert len(patch_tests) >= 14
     for cell in cells.CELLS:
         if cell.name != cells.DEFAULT:

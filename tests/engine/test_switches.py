@@ -8,8 +8,8 @@ import pytest
 
 from shim import APPLIED, DISABLED, SKIPPED, Registry, ShimWarning, settings
 from tests.conftest import run_python
-from tests.test_engine import TARGET, make_patch, state
-from tests.test_import_and_cli import B1_EXISTS as LOAD_BUG
+from tests.engine.fakes import TARGET, make_patch, state
+from tests.tools.test_import_and_cli import LOAD_BUG
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -297,3 +297,64 @@ def test_the_last_log_line_of_each_patch_says_what_the_status_says(then):
     assert out["last"] == out["status"], out["records"]
     applied = [m for level, m in out["records"] if level == "INFO" and ": applied (" in m]
     assert len(applied) == len({m.split(":")[0] for m in applied}), "INFO says 'applied' once per patch"
+
+
+@pytest.mark.parametrize("value", ["all", "1", "true", "*", "ALL"])
+def test_shim_disable_all(fake_modules, monkeypatch, value):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", value)
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1
+    assert state(registry) == (DISABLED, "opted out with SHIM_DISABLE=all")
+
+
+def test_shim_disable_list_and_explicit_enable(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", " demo , other")
+    registry = Registry(
+        [make_patch(pkg), make_patch(pkg, "target:g", name="other"), make_patch(pkg, "target:g", name="third")]
+    )
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == 1
+    assert module.g(1) == ("third", -1)
+    assert state(registry) == (DISABLED, "opted out with SHIM_DISABLE=demo")
+    registry.enable("demo")  # the API is explicit and wins over the environment
+    assert module.f(1) == ("demo", 1)
+
+
+def test_unknown_patch_name_warns_once_with_the_closest_names(fake_modules, monkeypatch):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv("SHIM_DISABLE", "dmeo")
+    registry = Registry([make_patch(pkg)])
+    with pytest.warns(ShimWarning, match="unknown patch 'dmeo', ignored; did you mean demo"):
+        registry.activate()
+    importlib.import_module(f"{pkg}.target")  # read again on apply: no second warning
+    assert len(settings._warned) == 1
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        (
+            "SHIM_DISABLE",
+            "demo;rm -rf",
+            "'demo;rm -rf' is not a patch name, ignored; SHIM_DISABLE takes 'all' or a comma",
+        ),
+        ("SHIM_STRICT", "maybe", "use one of"),
+        ("SHIM_LOG_LEVEL", "LOUD", "use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ],
+)
+def test_invalid_values_warn_list_the_valid_ones_and_use_the_default(
+    fake_modules, monkeypatch, variable, value, expected
+):
+    pkg = fake_modules(target=TARGET)
+    monkeypatch.setenv(variable, value)
+    registry = Registry([make_patch(pkg)])
+    with pytest.warns(ShimWarning, match=expected):
+        settings.configure_logging()
+        registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    assert module.f(1) == ("demo", 1)  # the default: applied, not strict

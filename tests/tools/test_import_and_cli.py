@@ -13,8 +13,8 @@ from tests.conftest import run_python
 NAME = "load-keeps-requires-grad"
 #: Version rule of the load bug: transformers 5.x resets requires_grad on load; 4.x keeps it and has no
 #: core_model_loading module, so there the patch is skipped and loading keeps the flags anyway.
-B1_EXISTS = Version(transformers.__version__) >= Version("5.0")
-B1_STATE = "applied" if B1_EXISTS else "skipped"
+LOAD_BUG = Version(transformers.__version__) >= Version("5.0")
+LOAD_PATCH_STATE = "applied" if LOAD_BUG else "skipped"
 
 ROUND_TRIP = """
 import json, tempfile
@@ -38,21 +38,21 @@ def round_trip(first_import: str, env=None) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def test_import_shim_first_fixes_b1():
-    assert round_trip("import shim\nimport transformers") == {"kept": True, "state": B1_STATE}
+def test_import_shim_first_keeps_requires_grad_on_load():
+    assert round_trip("import shim\nimport transformers") == {"kept": True, "state": LOAD_PATCH_STATE}
 
 
-def test_import_transformers_first_fixes_b1():
+def test_import_transformers_first_keeps_requires_grad_on_load():
     first = "import transformers, transformers.modeling_utils"
-    if B1_EXISTS:
+    if LOAD_BUG:
         first += ", transformers.core_model_loading"
-    assert round_trip(first + "\nimport shim") == {"kept": True, "state": B1_STATE}
+    assert round_trip(first + "\nimport shim") == {"kept": True, "state": LOAD_PATCH_STATE}
 
 
 @pytest.mark.parametrize("value", ["all", NAME])
 def test_shim_disable_shows_the_bug_again(value):
     # On 4.x there is no bug to show: the flags are kept with the shim opted out too.
-    assert round_trip("import shim", env={"SHIM_DISABLE": value}) == {"kept": not B1_EXISTS, "state": "disabled"}
+    assert round_trip("import shim", env={"SHIM_DISABLE": value}) == {"kept": not LOAD_BUG, "state": "disabled"}
 
 
 def test_import_shim_imports_neither_torch_nor_transformers():
@@ -66,7 +66,7 @@ def test_import_shim_imports_neither_torch_nor_transformers():
 
 
 @pytest.mark.skipif(
-    not B1_EXISTS,
+    not LOAD_BUG,
     reason="version rule: the load bug exists from transformers 5.0 (4.x has no core_model_loading to wrap)",
 )
 def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
@@ -89,7 +89,7 @@ def test_status_cli_json_and_table():
     records = json.loads(run_python("from shim.tools.cli import main; main(['--json', '--import-targets'])").stdout)
     record = next(r for r in records if r["name"] == NAME)
     assert record["installed"] == transformers.__version__
-    assert record["state"] == B1_STATE
+    assert record["state"] == LOAD_PATCH_STATE
     assert record["targets"][0] == "transformers.core_model_loading:set_param_for_module"
     table = run_python(
         "from shim.tools.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}
@@ -100,10 +100,10 @@ def test_status_cli_json_and_table():
     assert "reason: opted out with SHIM_DISABLE=all" in lines[row + 2]
 
 
-def test_doctor_reports_b1_present_upstream_and_fixed():
+def test_doctor_reports_the_load_bug_present_upstream_and_fixed():
     out = run_python("from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))").stdout
     finding = next(f for f in json.loads(out) if f["name"] == NAME)
-    expected = ("yes", "no", "fixed") if B1_EXISTS else ("no", "no", "not affected")
+    expected = ("yes", "no", "fixed") if LOAD_BUG else ("no", "no", "not affected")
     assert (finding["bug_upstream"], finding["bug_with_shim"], finding["verdict"]) == expected
 
 

@@ -1,5 +1,5 @@
 """``DistributedDataParallel(find_unused_parameters=True)`` on 2 gloo CPU ranks, a model with a
-parameter unused on some steps: ``python tests/workflows/ddp.py CASE ...``.
+parameter unused on some steps: ``python tests/do_no_harm/workflows/ddp.py CASE ...``.
 
 This process is rank 0; rank 1 is a child forked from it once the shim is imported (as
 ``torch.multiprocessing`` starts workers on Linux), so it needs no imports of its own. The model is a
@@ -25,7 +25,7 @@ import torch
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
-from tests.workflows import MARK, digest, error_of, input_ids, quiet, weights
+from tests.do_no_harm.workflows import MARK, digest, error_of, input_ids, quiet, weights
 
 WORLD = 2
 

@@ -24,6 +24,8 @@ from shim.patches._checkpointing import is_reentrant, same_function
 from shim.selfcheck.models import quiet_transformers, tiny_llama_config
 from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
+from tests.patches.checkpointing_cases import quietly
+from tests.patches.checkpointing_cases import tiny_llama as stock_tiny_llama
 
 NAME = "reentrant-keyword-grads"
 # Upstream, on this target: the patch and the one stacked with it (which acts when no input
@@ -519,3 +521,18 @@ def test_no_class_level_layer_and_deactivate_restores_the_layers_class():
         assert shim.registry.is_on("reentrant-keyword-grads")
         """
     )
+
+
+def test_reentrant_keyword_grads_counts_diverted_layer_calls_only(ledger):
+    torch.manual_seed(0)
+    model = stock_tiny_llama(layers=3)
+    model.train()
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    quietly(enable_checkpointing, model, {"use_reentrant": False})
+    quietly(keyword_driven_grads, model, input_ids)
+    assert ledger("reentrant-keyword-grads") == (0, "")
+    quietly(enable_checkpointing, model, {"use_reentrant": True})
+    quietly(keyword_driven_grads, model, input_ids)
+    count, last = ledger("reentrant-keyword-grads")
+    assert count == 3, "one per decoder layer call"
+    assert last.startswith("passed 1 grad-requiring keyword tensor(s) (hidden_states) of LlamaDecoderLayer")

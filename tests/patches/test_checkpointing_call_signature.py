@@ -8,7 +8,9 @@ import torch
 import transformers
 
 import shim
-from tests.checkpointing_cases import (
+from shim.selfcheck.models import tiny_llama_config
+from tests.conftest import run_python
+from tests.patches.checkpointing_cases import (
     TRANSFORMERS,
     checkpoint_kwargs,
     configure,
@@ -17,7 +19,6 @@ from tests.checkpointing_cases import (
     supports,
     tiny_llama,
 )
-from tests.conftest import run_python
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 CONFIGURED = {"use_reentrant": TRANSFORMERS.major >= 5}
@@ -105,8 +106,8 @@ def test_trainer_module_that_bound_the_name_before_import_shim_sees_the_fix():
     import wrapt
     bound = dpo.disable_gradient_checkpointing
     print(bound is not unpatched, any(patch_name_of(e) == "checkpointing-call-signature" for e in wrapt.wrapper_chain(bound)))
-    from tests.test_checkpointing_call_signature import wrapper_class
-    from tests.checkpointing_cases import tiny_llama, configure, checkpoint_kwargs
+    from tests.patches.test_checkpointing_call_signature import wrapper_class
+    from tests.patches.checkpointing_cases import tiny_llama, configure, checkpoint_kwargs
     model = tiny_llama(); configure(model, {"use_reentrant": True})
     with dpo.disable_gradient_checkpointing(wrapper_class("(*, kw=None)")(model), {"use_reentrant": True}):
         pass
@@ -236,3 +237,32 @@ def test_peft_signature_check_still_sees_the_parameter():
     """PEFT passes kwargs only if `gradient_checkpointing_kwargs` is in the enable signature."""
     model = tiny_llama()
     assert "gradient_checkpointing_kwargs" in inspect.signature(model.gradient_checkpointing_enable).parameters
+
+
+@pytest.mark.skipif(not HAS_TRL or importlib.util.find_spec("trl.models.utils") is None, reason="trl is not installed")
+def test_call_signature_counts_calls_trl_would_have_broken(ledger):
+    from trl.models import utils as trl_utils
+
+    if not hasattr(trl_utils, "disable_gradient_checkpointing"):
+        pytest.skip("version rule: disable_gradient_checkpointing exists from trl 0.26")
+
+    class KeywordOnly(transformers.LlamaForCausalLM):
+        def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
+            quietly(super().gradient_checkpointing_enable, gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    plain = tiny_llama()
+    configure(plain, {"use_reentrant": False})
+    with quietly(trl_utils.disable_gradient_checkpointing, plain, {"use_reentrant": False}):
+        pass
+    assert ledger("checkpointing-call-signature") == (0, "")
+
+    model = KeywordOnly(tiny_llama_config())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with quietly(trl_utils.disable_gradient_checkpointing, model, {"use_reentrant": False}):
+        pass
+    count, last = ledger("checkpointing-call-signature")
+    # From 5.23 the re-enable goes through activation_checkpointing_enable, which hands every_n_layers
+    # and offload to the keyword-only override: the patch leaves them out, a second effect.
+    assert count == (2 if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable") else 1)
+    assert last.startswith("re-enabled checkpointing on KeywordOnly through its signature ")
+    assert "would have passed {'use_reentrant': False} positionally and raised TypeError" in last

@@ -24,7 +24,7 @@ user wrote it while the shim (or the patch) is off.
 
 Only public behaviour is read: gradients, counts of hook and checkpoint-function calls, the class's
 ``forward`` and shim's public API. Do-no-harm runs of items 1, 2, 4 and 5 are in
-``tests/workflows/everyday.py``.
+``tests/do_no_harm/workflows/everyday.py``.
 """
 
 import collections
@@ -263,7 +263,7 @@ def test_a_model_enabled_reentrant_before_import_shim_keeps_its_configuration_an
     assert "shim" not in sys.modules
     import shim
     from trl.models.utils import disable_gradient_checkpointing
-    from tests.test_checkpointing_path import MODELS, configuration
+    from tests.patches.test_checkpointing_path import MODELS, configuration
     from shim.selfcheck.steps import wrong_grads
 
     result = {}
@@ -607,7 +607,7 @@ def test_a_replaced_forward_is_left_as_the_user_set_it_after_deactivate():
     warnings.simplefilter("ignore")
     import shim
     from transformers.models.llama import modeling_llama
-    from tests.test_checkpointing_path import checkpointing_counts, replace_forward
+    from tests.patches.test_checkpointing_path import checkpointing_counts, replace_forward
 
     cls = modeling_llama.LlamaDecoderLayer
     replacement = replace_forward(cls)

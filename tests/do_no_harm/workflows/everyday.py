@@ -1,4 +1,4 @@
-"""Everyday runs on stock tiny models, uncompiled: ``python tests/workflows/everyday.py CASE ...``.
+"""Everyday runs on stock tiny models, uncompiled: ``python tests/do_no_harm/workflows/everyday.py CASE ...``.
 
 - ``generate``: greedy ``generate()`` of a Llama and a Qwen2 in eval mode, and of the Llama in
   training mode with reentrant checkpointing on (as between training steps): the tokens.
@@ -62,7 +62,7 @@ from packaging.version import Version
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
-from tests.workflows import digest, grads, input_ids, quiet, run_cases, weights
+from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, weights
 
 
 def llama(layers: int = 2):

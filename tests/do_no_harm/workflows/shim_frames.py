@@ -1,5 +1,5 @@
 """Which of the shim's functions run during calls that no patch can need to change:
-``python tests/workflows/shim_frames.py CASE ...``.
+``python tests/do_no_harm/workflows/shim_frames.py CASE ...``.
 
 A tiny Llama is built and the shim has applied its patches (every target module imported); then
 each case runs once untraced (warm-up) and once under ``sys.setprofile``, which records every Python
@@ -22,7 +22,7 @@ import shim
 import shim.patches
 from shim import importhooks
 from shim.selfcheck import models as tinymodels
-from tests.workflows import input_ids, quiet, run_cases
+from tests.do_no_harm.workflows import input_ids, quiet, run_cases
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (shim, shim.patches))
 

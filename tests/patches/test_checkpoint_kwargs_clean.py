@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shim
-from tests.checkpointing_cases import ENABLE, checkpoint_kwargs, configure, layer_flags, supports, tiny_llama
+from tests.patches.checkpointing_cases import ENABLE, checkpoint_kwargs, configure, layer_flags, supports, tiny_llama
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 
@@ -80,3 +80,15 @@ def test_an_explicit_parameter_wins_over_the_dict():
     model = tiny_llama()
     getattr(model, ENABLE)({"use_reentrant": True, "every_n_layers": 2}, every_n_layers=4)
     assert layer_flags(model) == [True, False, False, False]
+
+
+def test_kwargs_clean_counts_configurations_it_cleaned(ledger):
+    model = tiny_llama()
+    configure(model, {"use_reentrant": True})
+    assert ledger("checkpoint-kwargs-clean") == (0, "")
+    configure(model, {"use_reentrant": True, "selective": False})
+    assert ledger("checkpoint-kwargs-clean") == (
+        1,
+        "took selective out of the checkpointing kwargs of LlamaForCausalLM, which transformers would pass "
+        "to torch.utils.checkpoint; every_n_layers/offload became the parameters they are",
+    )

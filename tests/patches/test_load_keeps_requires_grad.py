@@ -15,6 +15,7 @@ from packaging.version import Version
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
 from shim.selfcheck.models import frozen_llama_class, quiet_transformers, tiny_llama_config
+from tests.patches.checkpointing_cases import TRANSFORMERS
 
 NAME = "load-keeps-requires-grad"
 pytestmark = pytest.mark.skipif(
@@ -113,3 +114,20 @@ def test_random_freeze_masks_survive_loading(mask):
 
     assert all(requires_grad_map(upstream).values()), "bug: upstream unfreezes every masked parameter"
     assert requires_grad_map(patched) == requires_grad_map(model)
+
+
+@pytest.mark.skipif(TRANSFORMERS.major < 5, reason="version rule: loading resets requires_grad from transformers 5.0")
+def test_load_counts_each_parameter_kept_frozen(ledger):
+    model_class = frozen_llama_class()
+    model = model_class(tiny_llama_config())
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        transformers.LlamaForCausalLM.from_pretrained(directory)  # nothing frozen: nothing to keep
+        assert ledger("load-keeps-requires-grad") == (0, "")
+        model_class.from_pretrained(directory)
+    frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    assert ledger("load-keeps-requires-grad") == (
+        frozen,
+        f"kept {frozen} parameter(s) of FrozenBaseLlama frozen that transformers {transformers.__version__} "
+        "made trainable while loading",
+    )

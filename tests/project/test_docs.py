@@ -55,7 +55,7 @@ def module_name(name: str) -> str:
 
 def missing_pieces(name: str, root: Path = ROOT) -> list[str]:
     """What patch ``name`` lacks of its documentation and tests: a docs/bugs.md section, a row in the
-    README's patch table (the row links to the section) and ``tests/test_<module>.py``."""
+    README's patch table (the row links to the section) and ``tests/patches/test_<module>.py``."""
     missing = []
     bugs = (root / "docs" / "bugs.md").read_text()
     if not re.search(rf"^## {re.escape(name)}$", bugs, flags=re.MULTILINE):
@@ -63,11 +63,11 @@ def missing_pieces(name: str, root: Path = ROOT) -> list[str]:
     row = re.compile(rf"^\| `{re.escape(name)}` \|.*\(docs/bugs\.md#{re.escape(name)}\)", flags=re.MULTILINE)
     if not row.search((root / "README.md").read_text()):
         missing.append(f"a row in the README's patch table linking docs/bugs.md#{name}")
-    own_file = (root / "tests" / f"test_{module_name(name)}.py").is_file()
+    own_file = (root / "tests" / "patches" / f"test_{module_name(name)}.py").is_file()
     # A patch that needs a distributed engine (DeepSpeed) is tested end to end, in its environment.
     end_to_end = any(name in path.read_text() for path in (root / "tests" / "e2e").glob("test_*.py"))
     if not (own_file or end_to_end):
-        missing.append(f"tests/test_{module_name(name)}.py (or an end-to-end test in tests/e2e/)")
+        missing.append(f"tests/patches/test_{module_name(name)}.py (or an end-to-end test in tests/e2e/)")
     return missing
 
 
@@ -78,10 +78,10 @@ def test_each_patch_has_its_section_readme_row_and_tests(name):
 
 def test_a_missing_section_row_or_test_file_is_found(tmp_path):
     (tmp_path / "docs").mkdir()
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "patches").mkdir(parents=True)
     (tmp_path / "docs" / "bugs.md").write_text("## other-patch\n")
     (tmp_path / "README.md").write_text("| `other-patch` | fixes | [bugs.md](docs/bugs.md#other-patch) |\n")
-    (tmp_path / "tests" / "test_other_patch.py").write_text("")
+    (tmp_path / "tests" / "patches" / "test_other_patch.py").write_text("")
     assert missing_pieces("other-patch", tmp_path) == []
     assert len(missing_pieces("new-patch", tmp_path)) == 3
     # A row of the generated compatibility table names the patch but is not its row in the patch table.

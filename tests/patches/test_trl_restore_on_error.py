@@ -6,11 +6,20 @@ import types
 import pytest
 
 import shim
-from tests.checkpointing_cases import TRANSFORMERS, checkpoint_kwargs, configure, is_checkpointing, quietly, tiny_llama
+from tests.patches.checkpointing_cases import (
+    TRANSFORMERS,
+    checkpoint_kwargs,
+    configure,
+    is_checkpointing,
+    quietly,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
 NAME = "trl-restore-on-error"
 CONFIGURED = {"use_reentrant": TRANSFORMERS.major >= 5, "preserve_rng_state": False}
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
 
 
 def generate_and_fail(model, **extra):
@@ -90,3 +99,24 @@ def test_zero3_hooks_removed_for_generation_are_added_back_after_an_error(monkey
         with _RestoreOnError(Failing(), engine, accelerator, gather=True, checkpoint_kwargs=None):
             raise RuntimeError("generation failed")
     assert added == [engine]
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed")
+def test_trl_restore_on_error_counts_the_restore_after_an_exception(ledger):
+    import accelerate
+    from trl.models.utils import unwrap_model_for_generation
+
+    model = tiny_llama()
+    configure(model, {"use_reentrant": False})
+    accelerator = accelerate.Accelerator(cpu=True)
+    with unwrap_model_for_generation(model, accelerator):
+        pass
+    assert ledger("trl-restore-on-error") == (0, "")
+    with pytest.raises(KeyError):
+        with unwrap_model_for_generation(model, accelerator):
+            raise KeyError("bad sample")
+    assert ledger("trl-restore-on-error") == (
+        1,
+        "KeyError raised inside trl's unwrap_model_for_generation on LlamaForCausalLM, which trl leaves "
+        "without checkpointing; the shim re-enabled gradient checkpointing",
+    )

@@ -6,8 +6,10 @@ import importlib.util
 import pytest
 from packaging.version import Version
 
+from shim import SKIPPED, Registry
 from shim.tools import doctor
 from tests.conftest import run_python
+from tests.engine.fakes import TARGET, make_patch
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
@@ -48,3 +50,23 @@ def test_doctor_prints_the_note_below_its_table():
     if expected:
         assert " ".join(table[table.index("note: ") :].split()) == f"note: {' '.join(expected[0].split())}"
         assert all(len(line) <= 100 for line in table.splitlines())
+
+
+def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_modules):
+    from shim.tools import doctor
+
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(pkg)
+    registry = Registry(
+        [
+            make_patch(pkg, "nowhere:f", requires=">=2.0", name="absent", self_check=lambda: False),
+            make_patch(pkg, "nowhere:f", requires=">=1.0", name="present", self_check=lambda: True),
+            make_patch("not_a_distribution_here", "nowhere:f", name="uninstalled", self_check=lambda: True),
+        ]
+    )
+    registry.activate()
+    findings = {f.name: f for f in doctor.run(registry)}
+    assert (findings["absent"].state, findings["absent"].verdict) == (SKIPPED, doctor.NOT_AFFECTED)
+    assert findings["present"].verdict == doctor.NOT_FIXED, "the bug shows and the patch cannot apply"
+    assert f"{pkg}.nowhere cannot be imported" in findings["present"].detail
+    assert findings["uninstalled"].verdict == doctor.NOT_INSTALLED

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shim
-from tests.checkpointing_cases import DISABLE, ENABLE, TRANSFORMERS, checkpoint_kwargs, configure, tiny_llama
+from tests.patches.checkpointing_cases import DISABLE, ENABLE, TRANSFORMERS, checkpoint_kwargs, configure, tiny_llama
 
 
 def layer_gradients(model) -> dict:

@@ -1,13 +1,13 @@
 """Do no harm: every run that works without the shim works with it, and ends the same.
 
-Each workflow (``tests/workflows/``) runs in two fresh interpreters, one with ``SHIM_DISABLE=all``
+Each workflow (``tests/do_no_harm/workflows/``) runs in two fresh interpreters, one with ``SHIM_DISABLE=all``
 (upstream) and one with the shim on, each under a hard timeout that ends its whole process group.
 A workflow prints, per case, its outcome (or the exception's type and message) and what it produced:
 tokens, losses, digests of weights and gradients, for compiled runs the number of graphs and graph
 breaks. The two runs must match exactly: torch runs on one thread, so the same computation repeats
 bit for bit on CPU. Where a case compares with another computation (compiled against eager, a
 checkpointed run against one without), it says the tolerance: ``RTOL``/``ATOL`` in
-``tests/workflows/compiled.py``, ``shim.selfcheck.steps.wrong_grads``' defaults elsewhere. A case that
+``tests/do_no_harm/workflows/compiled.py``, ``shim.selfcheck.steps.wrong_grads``' defaults elsewhere. A case that
 fails without the shim is a broken test, never a pass.
 
 ``DO_NO_HARM=full`` runs every ``torch.compile`` combination (Llama and Qwen2; eval, ``generate()``,
@@ -25,15 +25,15 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.workflows import MARK
+from tests.do_no_harm.workflows import MARK
 
-WORKFLOWS = ROOT / "tests" / "workflows"
+WORKFLOWS = ROOT / "tests" / "do_no_harm" / "workflows"
 OPT_IN = {part.strip() for part in os.environ.get("DO_NO_HARM", "").split(",") if part.strip()}
 IGNORED = {"seconds", "cpu", "where"}  # how long a case took, and where it failed: not what it did
 
 
 def run_workflow(script: str, cases: list, shim: bool, timeout: float) -> dict:
-    """``tests/workflows/<script> <cases>`` in a fresh interpreter, its process group killed after
+    """``tests/do_no_harm/workflows/<script> <cases>`` in a fresh interpreter, its process group killed after
     ``timeout`` seconds; the workflow's ``{case: record}``."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SHIM_")}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -122,7 +122,7 @@ EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-for
 def test_everyday_workflows_end_as_without_the_shim():
     """``generate()``, save/load, deepcopy and pickle, ``Trainer(model_init=...)``, and a layer whose
     trainable branch runs on some calls only under reentrant checkpointing, in one interpreter each
-    way (``tests/workflows/everyday.py`` describes them)."""
+    way (``tests/do_no_harm/workflows/everyday.py`` describes them)."""
     off, on = off_and_on("everyday.py", EVERYDAY)
     problems = [line for case in EVERYDAY if case != "branch-frozen" for line in differences(off[case], on[case], case)]
     problems += frozen_branch_problems(off["branch-frozen"], on["branch-frozen"])
@@ -196,7 +196,7 @@ def test_torch_compile_works_as_without_the_shim():
     the checkpoint call is inside the compiled code, upstream already gets them right (dynamo makes
     ``torch.utils.checkpoint`` its own operator) and the shim must change nothing; where it is not
     (a layer compiled on its own before transformers 5.23, whose ``__call__`` checkpoints), upstream
-    shows the bug and the shim must fix it (``tests/workflows/compiled.py``)."""
+    shows the bug and the shim must fix it (``tests/do_no_harm/workflows/compiled.py``)."""
     off, on = off_and_on("compiled.py", COMPILED)
     stock = [case for case in COMPILED if not case.startswith("fix-")]
     mismatched = {case: off[case].get("wrong") for case in stock if not off[case]["match"]}

@@ -1,0 +1,34 @@
+"""Throwaway patches for the engine's tests: a target module's source, a patch that tags what its
+targets return, and readers of the registry's state and the shim's layers."""
+
+import shim
+from shim import Patch, Target
+
+TARGET = """
+def f(x):
+    return x
+
+def g(x):
+    return -x
+"""
+
+
+def tagging(tag):
+    def wrapper(wrapped, instance, args, kwargs):
+        return (tag, wrapped(*args, **kwargs))
+
+    return wrapper
+
+
+def make_patch(pkg, *paths, name="demo", requires=">=1.0", probe=None, **extra):
+    paths = paths or ("target:f",)
+    targets = tuple(Target(f"{pkg}.{path}", tagging(name), probe=probe) for path in paths)
+    return Patch(name=name, summary="demo", distribution=pkg, requires=requires, targets=targets, **extra)
+
+
+def shim_layers(obj):
+    return [layer for _name, layer in shim.wrappers(obj)]
+
+
+def state(registry, name="demo"):
+    return next((s.state, s.reason) for s in registry.status() if s.name == name)
