@@ -1,16 +1,23 @@
-"""Running the end-to-end training scripts: one process group per run, hard timeouts, logs and per-rank
-records collected afterwards. Shared by the e2e test modules."""
+"""Running the end-to-end training scripts: one process group per launch, hard timeouts, logs and per-rank
+records collected afterwards. Shared by the e2e test modules.
+
+Importing the stack costs each rank 13-18 CPU-s, more than most training runs here: a launch of a rank
+script (tests/e2e/ranks.py) runs several cases one after the other, each with the patches its
+``--shim-off`` names switched off around it, and :class:`Launches` starts a launch the first time a
+test asks for one of its cases. What a test sees of a case (:meth:`Run.case`) reads as a run of its own.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -26,6 +33,7 @@ ZERO3_TIMEOUT = 300  # ~15 s warm; a cold run first JIT-compiles DeepSpeed's CPU
 # of 0.19.3 (measured: 2 of 24 GKD runs on 0.19.3). :func:`launch` starts such a run once more.
 TEARDOWN_ABORT = "terminate called without an active exception"
 DONE = re.compile(r"done: \d+ optimizer steps")
+CASE_MARK = "----- e2e case: "  # a rank prints it and the case's name as the case starts (ranks.py)
 
 
 @dataclass
@@ -34,6 +42,9 @@ class Run:
     log_dir: Path
     logs: dict[str, str] = field(default_factory=dict)  # name -> text (torchrun's own and one per rank)
     reports: dict[int, dict] = field(default_factory=dict)  # rank -> JSON record written by the script
+    cases: tuple[str, ...] = ()  # a launch of several cases: their names, in order (records under log_dir/<name>)
+    records: str = "checkpointing-rank"
+    ranks: int = 2
 
     @property
     def text(self) -> str:
@@ -47,6 +58,35 @@ class Run:
             lines = text.splitlines()[-tail:]
             parts.append(f"----- {name} (last {len(lines)} lines) -----\n" + "\n".join(lines))
         return "\n".join(parts)
+
+    def started(self) -> list[str]:
+        """The cases that started, in order (a case that ends the launch is the last)."""
+        return [name for name in self.cases if (self.log_dir / name).is_dir()]
+
+    def finished(self, name: str) -> bool:
+        """Whether every rank got past case ``name`` without an error."""
+        statuses = [json.loads(path.read_text()) for path in (self.log_dir / name).glob("case-rank*.json")]
+        return len(statuses) == self.ranks and all(s["finished"] and s["error"] is None for s in statuses)
+
+    def case(self, name: str) -> Run:
+        """Case ``name`` as a run of its own: its per-rank records, the part of every rank's log it wrote
+        (torchrun's own log goes with the last case that started), and a return code: the launch's where
+        the case ended it, else 0 when every rank got past it and 1 when it raised (on a lone rank, which
+        goes on to the next case)."""
+        started = self.started()
+        if name not in started:
+            ended = f"in case {started[-1]}" if started else "before its first case"
+            pytest.fail(f"case {name} never started: the launch ended {ended}\n{self.describe()}")
+        last = name == started[-1]
+        returncode = 0 if self.finished(name) else 1
+        if last and self.returncode != 0:
+            returncode = self.returncode
+        logs = {}
+        for log, text in self.logs.items():
+            part = _part_of(text, name)
+            if part is not None or (last and log == "launcher"):
+                logs[log] = text if part is None else part
+        return collect_records(Run(returncode, self.log_dir / name, logs), self.records)
 
 
 def environment(shim_disabled: bool | str = False) -> dict:
@@ -98,11 +138,30 @@ def run(command: list[str], log_dir: Path, env: dict, timeout: int) -> int:
                 _kill_group(process)
 
 
+def _part_of(text: str, case: str) -> str | None:
+    """The lines a log holds from the start of ``case`` to the start of another (None: no such case). A rank
+    marks a case's start on stdout and on stderr, which may share the log."""
+    lines, current = [], None
+    for line in text.splitlines(keepends=True):
+        if line.startswith(CASE_MARK):
+            current = line[len(CASE_MARK) :].rstrip("\n")
+        if current == case:
+            lines.append(line)
+    return "".join(lines) if lines else None
+
+
+def trained(result: Run) -> bool:
+    """Whether training finished: every case of a launch of several, else the run's ``done`` line."""
+    if result.cases:
+        return all(result.finished(name) for name in result.cases)
+    return DONE.search(result.text) is not None
+
+
 def launch(command_for: Callable[[Path], list[str]], log_dir: Path, env: dict, timeout: int, **collecting) -> Run:
     """Run ``command_for(log_dir)`` and collect it; a run that finished training and then aborted in
     teardown (:data:`TEARDOWN_ABORT`) is started again once, in ``log_dir/retry``, with a warning."""
     result = collect(run(command_for(log_dir), log_dir, env, timeout), log_dir, **collecting)
-    if result.returncode != 0 and TEARDOWN_ABORT in result.text and DONE.search(result.text):
+    if result.returncode != 0 and TEARDOWN_ABORT in result.text and trained(result):
         warnings.warn(f"teardown abort after training, run started again (first run's logs in {log_dir})", stacklevel=2)
         retry = log_dir / "retry"
         retry.mkdir()
@@ -132,16 +191,103 @@ def _kill_group(process: subprocess.Popen) -> None:
             continue
 
 
-def collect(returncode: int, log_dir: Path, records: str = "checkpointing-rank") -> Run:
-    """The launcher's log, each rank's logs and the per-rank JSON records ``<records><rank>.json``."""
-    result = Run(returncode, log_dir)
+def collect(
+    returncode: int, log_dir: Path, records: str = "checkpointing-rank", cases: Sequence[str] = (), ranks: int = 2
+) -> Run:
+    """The launcher's log, each rank's logs and the per-rank JSON records ``<records><rank>.json`` (those of
+    a launch of several ``cases`` in each case's folder: :meth:`Run.case`)."""
+    result = Run(returncode, log_dir, cases=tuple(cases), records=records, ranks=ranks)
     result.logs["launcher"] = (log_dir / "launcher.log").read_text(errors="replace")
     # torchrun --log-dir D --redirects 3 writes D/<run id>/attempt_<n>/<rank>/{stdout,stderr}.log
     for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/std*.log")):
         result.logs[f"rank {path.parent.name} {path.stem}"] = path.read_text(errors="replace")
-    for path in sorted(log_dir.glob(f"{records}*.json")):
+    return collect_records(result, records)
+
+
+def collect_records(result: Run, records: str) -> Run:
+    for path in sorted(result.log_dir.glob(f"{records}*.json")):
         result.reports[int(path.stem.removeprefix(records))] = json.loads(path.read_text())
     return result
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run in a launch: ``options`` are the rank script's options for it (``--shim-off
+    PATCH`` switches a patch off around it). ``crashes``: the bug under test ends the process, so the case
+    must come last in its launch."""
+
+    name: str
+    options: tuple[str, ...] = ()
+    crashes: bool = False
+
+    def argument(self) -> str:
+        return f"{self.name}: {shlex.join(self.options)}"
+
+
+class Launches:
+    """A test module's cases of one rank script, grouped into launches. :meth:`runs` gives the cases of a
+    session: a launch starts the first time a test asks for one of its cases, and once.
+
+    ``timeout``: one launch's limit for its first case, ``per_case`` added for each further one;
+    ``ranks``: 2 under torchrun, 1 for one plain process."""
+
+    def __init__(
+        self,
+        script: Path,
+        groups: Sequence[Sequence[Case]],
+        records: str,
+        timeout: int,
+        per_case: int,
+        ranks: int = 2,
+    ) -> None:
+        self.script, self.records, self.timeout, self.per_case, self.ranks = script, records, timeout, per_case, ranks
+        self.groups = [tuple(group) for group in groups]
+        for group in self.groups:
+            crashing = [case.name for case in group if case.crashes]
+            assert crashing in ([], [group[-1].name]), f"a case that crashes ends its launch: {crashing} in {group}"
+        names = [case.name for group in self.groups for case in group]
+        assert len(names) == len(set(names)), f"case names must be unique: {names}"
+
+    def case(self, name: str) -> Case:
+        return next(case for group in self.groups for case in group if case.name == name)
+
+    def runs(self, directory: Path) -> CaseRuns:
+        return CaseRuns(self, directory)
+
+    def command(self, directory: Path, cases: Sequence[Case]) -> list[str]:
+        arguments = (str(directory), *(case.argument() for case in cases))
+        if self.ranks == 1:
+            return [sys.executable, str(self.script), *arguments]
+        return torchrun(self.script, directory, *arguments, ranks=self.ranks)
+
+
+class CaseRuns:
+    """The cases of :class:`Launches` in one session, under ``directory``: ``runs[name]`` is case ``name``
+    as a :class:`Run` of its own (its launch started on first use)."""
+
+    def __init__(self, launches: Launches, directory: Path) -> None:
+        self.launches = launches
+        self.directory = directory
+        self.done: dict[int, Run] = {}
+
+    def __getitem__(self, name: str) -> Run:
+        index = next((i for i, group in enumerate(self.launches.groups) if name in {c.name for c in group}), None)
+        assert index is not None, f"no case named {name}"
+        if index not in self.done:
+            self.done[index] = self.launch(self.launches.groups[index])
+        return self.done[index].case(name)
+
+    def launch(self, cases: Sequence[Case]) -> Run:
+        """A launch of ``cases`` (also of cases run already, to run them again: a new folder each time)."""
+        launches = self.launches
+        log_dir = self.directory / f"launch-{len(list(self.directory.glob('launch-*'))) + 1}"
+        log_dir.mkdir(parents=True)
+        timeout = launches.timeout + launches.per_case * (len(cases) - 1)
+        names = [case.name for case in cases]
+        collecting = dict(records=launches.records, cases=names, ranks=launches.ranks)
+        return launch(
+            lambda directory: launches.command(directory, cases), log_dir, environment(), timeout, **collecting
+        )
 
 
 def applies(distribution: str, rule: str) -> bool:

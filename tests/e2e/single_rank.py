@@ -1,10 +1,11 @@
-# One-rank, no-DeepSpeed training run of a real trl trainer (GRPO or DPO) with gradient checkpointing
-# configured, recording what the model's checkpointing modules hold after every optimizer step.
-# Driven by tests/e2e/test_e2e.py in a subprocess:
+# One-rank, no-DeepSpeed training runs of real trl trainers (GRPO, DPO) with gradient checkpointing configured,
+# recording what the model's checkpointing modules hold after every optimizer step. Driven by tests/e2e/test_e2e.py,
+# several cases one after the other in one process (tests/e2e/ranks.py):
 #
-#     python tests/e2e/single_rank.py {grpo,dpo} LOG_DIR [--max-steps N]
+#     python tests/e2e/single_rank.py LOG_DIR "NAME: {grpo,dpo} [--max-steps N] [--shim-off all]" ...
 #
-# The tiny tokenizer, model and the recording callback are the example's (examples/gkd_zero3.py).
+# The tiny tokenizer, model and the recording callback are the example's (examples/gkd_zero3.py); each case
+# writes LOG_DIR/NAME/checkpointing-rank0.json.
 import argparse
 import inspect
 import os
@@ -14,7 +15,8 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedModel
 
-import shim  # noqa: F401  -- first line, as for a user (SHIM_DISABLE=all switches it off)
+import shim  # noqa: F401  -- as for a user (a case's --shim-off all switches every patch off around it)
+from tests.e2e.ranks import run_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from gkd_zero3 import CheckpointingLog, build_tokenizer  # noqa: E402
@@ -132,23 +134,24 @@ def make_dpo(tokenizer, model, args, callback):
     )
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def options() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="single_rank.py CASE")
     parser.add_argument("trainer", choices=("grpo", "dpo"))
-    parser.add_argument("log_dir")
     parser.add_argument("--max-steps", type=int, default=2)
-    cli = parser.parse_args()
+    return parser
 
+
+def train(case: argparse.Namespace, directory: str) -> None:
     configured = configured_kwargs()
-    use_cpu_lm_head_kernel()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
-    callback = CheckpointingLog(cli.log_dir, configured)
-    make = {"grpo": make_grpo, "dpo": make_dpo}[cli.trainer]
-    trainer = make(tokenizer, model, common_args(cli.log_dir, cli.max_steps, configured), callback)
+    callback = CheckpointingLog(directory, configured)
+    make = {"grpo": make_grpo, "dpo": make_dpo}[case.trainer]
+    trainer = make(tokenizer, model, common_args(directory, case.max_steps, configured), callback)
     trainer.train()
     print(f"done: {trainer.state.global_step} optimizer steps", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    use_cpu_lm_head_kernel()
+    run_cases(options(), train)

@@ -1,9 +1,10 @@
 """End to end, two CPU ranks over gloo: the distributed family (DeepSpeed ZeRO-3 frozen-parameter recompute,
 ZeRO-3 hooks through delegating wrappers, DDP's find_unused_parameters for PEFT models) and ``shim-run``.
 
-Each run is ``torchrun --nproc_per_node 2`` of ``tests/e2e/lora_trainer.py`` (transformers' Trainer, a PEFT
-LoRA model) or of the GKD example, in a subprocess with a hard timeout; the bug is shown with the one patch
-switched off (``SHIM_DISABLE=<patch>``, every other patch on), the fix with it on. ``bash scripts/e2e.sh``
+Each case is a run of ``tests/e2e/lora_trainer.py`` (transformers' Trainer, a PEFT LoRA model) on two ranks; the
+bug is shown with the one patch switched off (``shim.disabled(<patch>)`` around the case, every other patch on),
+the fix with it on. The cases run in a few launches of ``torchrun --nproc_per_node 2`` (tests/e2e/launch.py),
+each in a subprocess with a hard timeout; the GKD example runs in launches of its own. ``bash scripts/e2e.sh``
 runs this module in the e2e environment (DeepSpeed 0.19.2) and its ``zero3`` tests again in the DeepSpeed
 0.19.3 environment, where the two DeepSpeed patches are skipped (outside their gate) and the runs pass.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, applies, environment, launch, torchrun
+from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Case, Launches, Run, applies, environment, launch, torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -29,26 +30,53 @@ FROZEN = "zero3-frozen-recompute"
 DELEGATING = "zero3-delegating-wrapper-hooks"
 DDP = "ddp-find-unused-for-checkpointing"
 STEPS = 3
-DDP_TIMEOUT = 180  # ~15 s
+PER_CASE = 120  # ~15 s each case after a launch's first (ZERO3_TIMEOUT: the first, with the cold JIT build)
 DEEPSPEED_FIXED = applies("deepspeed", ">=0.19.3")  # DeepSpeed's own fixes (PR #8148, #8144) are in
 FIXED_UPSTREAM = "version rule: DeepSpeed >= 0.19.3 has the fix (PR #8148 / #8144): nothing to show without the patch"
 
 
-def run_lora(tmp_path: Path, backend: str, checkpointing: str, disabled: str = "", *extra: str) -> Run:
-    name = f"{backend}-{checkpointing}-{'-'.join(extra) or 'plain'}-{'off-' + disabled if disabled else 'shim-on'}"
-    log_dir = tmp_path / name.replace("--", "")
-    attempt = 1
-    while log_dir.exists():  # the same configuration run again by the same test
-        attempt += 1
-        log_dir = tmp_path / f"{name.replace('--', '')}-{attempt}"
-    log_dir.mkdir()
+def case(name: str, backend: str, checkpointing: str, *options: str, off: str = "", crashes: bool = False) -> Case:
+    switch = ("--shim-off", off) if off else ()
+    return Case(
+        name, (backend, "--checkpointing", checkpointing, "--max-steps", str(STEPS), *options, *switch), crashes
+    )
 
-    def command(directory: Path) -> list[str]:
-        arguments = (backend, str(directory), "--checkpointing", checkpointing, "--max-steps", str(STEPS), *extra)
-        return torchrun(LORA_TRAINER, directory, *arguments)
 
-    timeout = ZERO3_TIMEOUT if backend == "zero3" else DDP_TIMEOUT
-    return launch(command, log_dir, environment(disabled), timeout, records="lora-rank")
+MODULES_TO_SAVE = ("--modules-to-save", "lm_head")
+# The ZeRO-3 pair the default-checkpointing test compares, and runs again when their losses differ.
+CHECKPOINTED, REFERENCE = "zero3-default-shim-on", "zero3-no-checkpointing"
+
+
+# The bug without the patch, where DeepSpeed has it (0.19.3 has its own fixes: nothing to show there).
+FROZEN_OFF = case("zero3-default-patch-off", "zero3", "default", off=FROZEN, crashes=True)
+DELEGATING_OFF = case(
+    "zero3-modules-to-save-patch-off", "zero3", "default", *MODULES_TO_SAVE, off=DELEGATING, crashes=True
+)
+WITHOUT_THE_PATCH = {
+    FROZEN: [] if DEEPSPEED_FIXED else [FROZEN_OFF],
+    DELEGATING: [] if DEEPSPEED_FIXED else [DELEGATING_OFF],
+}
+
+# A case where the bug ends training with an error (crashes=True) ends its launch, last, as in a launch of its
+# own: a ZeRO-3 engine that raised inside a forward or backward leaves its partitioned parameters and the
+# process group mid-way. ZeRO-3 and DDP cases do not share a launch: the Trainer's DeepSpeed set-up (zero.Init,
+# DeepSpeed's communication) is process-wide.
+LAUNCHES = Launches(
+    LORA_TRAINER,
+    [
+        [case(REFERENCE, "zero3", "off"), case(CHECKPOINTED, "zero3", "default"), *WITHOUT_THE_PATCH[FROZEN]],
+        [case("zero3-modules-to-save-shim-on", "zero3", "default", *MODULES_TO_SAVE), *WITHOUT_THE_PATCH[DELEGATING]],
+        [case("ddp-reentrant", "ddp", "reentrant"), case("ddp-non-reentrant", "ddp", "non-reentrant")],
+    ],
+    records="lora-rank",
+    timeout=ZERO3_TIMEOUT,
+    per_case=PER_CASE,
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return LAUNCHES.runs(tmp_path_factory.mktemp("lora-trainer"))
 
 
 def assert_completed(run_: Run) -> None:
@@ -74,8 +102,8 @@ def deepspeed_patch_state() -> str:
 
 
 @pytest.mark.skipif(DEEPSPEED_FIXED, reason=FIXED_UPSTREAM)
-def test_zero3_default_checkpointing_crashes_without_the_patch(tmp_path):
-    crashed = run_lora(tmp_path, "zero3", "default", FROZEN)
+def test_zero3_default_checkpointing_crashes_without_the_patch(runs):
+    crashed = runs[FROZEN_OFF.name]
 
     assert crashed.returncode != 0, f"bug: expected the CheckpointError\n{crashed.describe()}"
     assert "torch.utils.checkpoint.CheckpointError" in crashed.text, crashed.describe()
@@ -91,22 +119,23 @@ def same_losses(first: Run, second: Run) -> bool:
     )
 
 
-def test_zero3_default_checkpointing_trains_like_no_checkpointing(tmp_path):
-    checkpointed_runs = [run_lora(tmp_path, "zero3", "default")]
-    reference_runs = [run_lora(tmp_path, "zero3", "off")]
+def test_zero3_default_checkpointing_trains_like_no_checkpointing(runs):
+    checkpointed_runs = [runs[CHECKPOINTED]]
+    reference_runs = [runs[REFERENCE]]
     for run_ in checkpointed_runs + reference_runs:
         assert_completed(run_)
     # DeepSpeed 0.19.2's ZeRO-3 on CPU ranks now and then computes a whole run's losses wrong, with or without
     # the shim, with or without checkpointing (measured: 1 of 16 runs with the DeepSpeed patches off and no
     # checkpointing; more often on a loaded machine, where a rerun of the reference has also differed from the
-    # first in the fourth digit). A further pair of runs tells such a run from a wrong fix: a wrong fix never
-    # gives a checkpointed run the losses of any reference run.
+    # first in the fourth digit). A further pair of runs (one more launch) tells such a run from a wrong fix: a
+    # wrong fix never gives a checkpointed run the losses of any reference run.
     while not (matching := [(c, r) for c in checkpointed_runs for r in reference_runs if same_losses(c, r)]):
         if len(checkpointed_runs) == 3:
             break
-        warnings.warn(f"losses differ ({tmp_path}): both runs started again", stacklevel=1)
-        checkpointed_runs.append(run_lora(tmp_path, "zero3", "default"))
-        reference_runs.append(run_lora(tmp_path, "zero3", "off"))
+        warnings.warn(f"losses differ ({runs.directory}): both runs started again", stacklevel=1)
+        again = runs.launch([LAUNCHES.case(REFERENCE), LAUNCHES.case(CHECKPOINTED)])
+        checkpointed_runs.append(again.case(CHECKPOINTED))
+        reference_runs.append(again.case(REFERENCE))
         assert_completed(checkpointed_runs[-1])
         assert_completed(reference_runs[-1])
     checkpointed, reference = matching[0] if matching else (checkpointed_runs[-1], reference_runs[-1])
@@ -123,16 +152,16 @@ def test_zero3_default_checkpointing_trains_like_no_checkpointing(tmp_path):
 
 
 @pytest.mark.skipif(DEEPSPEED_FIXED, reason=FIXED_UPSTREAM)
-def test_zero3_modules_to_save_crashes_without_the_patch(tmp_path):
-    crashed = run_lora(tmp_path, "zero3", "default", DELEGATING, "--modules-to-save", "lm_head")
+def test_zero3_modules_to_save_crashes_without_the_patch(runs):
+    crashed = runs[DELEGATING_OFF.name]
 
     assert crashed.returncode != 0, f"bug: expected the AttributeError\n{crashed.describe()}"
     assert "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'" in crashed.text, crashed.describe()
     assert_states(crashed, zero3_delegating_wrapper_hooks="disabled")
 
 
-def test_zero3_modules_to_save_trains_with_the_shim(tmp_path):
-    trained = run_lora(tmp_path, "zero3", "default", "", "--modules-to-save", "lm_head")
+def test_zero3_modules_to_save_trains_with_the_shim(runs):
+    trained = runs["zero3-modules-to-save-shim-on"]
 
     assert_completed(trained)
     assert_states(trained, zero3_delegating_wrapper_hooks=deepspeed_patch_state())
@@ -145,10 +174,10 @@ def test_zero3_modules_to_save_trains_with_the_shim(tmp_path):
 # DDP (no DeepSpeed) + PeftModel: the Trainer's find_unused_parameters.
 
 
-def test_ddp_reentrant_peft_trains_with_the_patch(tmp_path):
+def test_ddp_reentrant_peft_trains_with_the_patch(runs):
     """Upstream fails here with ``Expected to mark a variable ready only once``: shown in
     tests/e2e/test_ddp_unused.py on the same LoRA model with an unused head, and with gradient accumulation."""
-    trained = run_lora(tmp_path, "ddp", "reentrant")
+    trained = runs["ddp-reentrant"]
 
     assert_completed(trained)
     # A static graph (tests/e2e/test_ddp_unused.py: the other models and gradient accumulation).
@@ -157,8 +186,8 @@ def test_ddp_reentrant_peft_trains_with_the_patch(tmp_path):
     assert trained.reports[0]["effects"].get(DDP) == 1
 
 
-def test_ddp_non_reentrant_peft_keeps_upstreams_choice(tmp_path):
-    trained = run_lora(tmp_path, "ddp", "non-reentrant")
+def test_ddp_non_reentrant_peft_keeps_upstreams_choice(runs):
+    trained = runs["ddp-non-reentrant"]
 
     assert_completed(trained)
     assert all(report["find_unused_parameters"] is True for report in trained.reports.values())
@@ -167,7 +196,9 @@ def test_ddp_non_reentrant_peft_keeps_upstreams_choice(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# shim-run: the GKD example with its `import shim` line taken out, under torchrun.
+# shim-run: the GKD example with its `import shim` line taken out, under torchrun. Each run is a launch of its
+# own: without shim-run the shim is never imported (no switch can stand in for that), and with it the shim
+# is loaded by the launcher on every rank, before trl and transformers.
 
 
 def unmodified_example(directory: Path) -> Path:

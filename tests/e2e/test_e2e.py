@@ -1,8 +1,10 @@
 """End to end: real trl trainers, and DeepSpeed ZeRO-3 on two ranks, with and without the shim.
 
 Run in the e2e environment (``bash scripts/e2e.sh``: deepspeed 0.19.2, trl 1.15.0, transformers 5.24.0,
-``constraints/e2e.txt``). Each training run is a subprocess whose script has ``import shim`` as its first
-line; ``SHIM_DISABLE=all`` switches every patch off, so the same script shows the bug and then the fix.
+``constraints/e2e.txt``). Each training run is a subprocess whose script imports the shim as a user does: the
+GKD example on two ranks, a launch of its own; GRPO and DPO on one rank, four cases one after the other in
+one process (tests/e2e/launch.py), each shown with every patch switched off (``shim.disabled()`` around the
+case: the bug) and on (the fix).
 The scripts record, after the Trainer set checkpointing up and after every optimizer step, what the
 model's checkpointing modules hold (the keywords of the ``functools.partial(checkpoint, **kwargs)`` on
 each layer, and which layers checkpoint); the tests assert on those records and on the ranks' logs.
@@ -10,21 +12,20 @@ each layer, and which layers checkpoint); the tests assert on those records and 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Run, collect, environment, launch, run, torchrun
+from tests.e2e.launch import ROOT, ZERO3_TIMEOUT, Case, Launches, Run, environment, launch, torchrun
 from tests.e2e.launch import applies as _applies
 
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = ROOT / "examples" / "gkd_zero3.py"
-SINGLE_RANK = Path(__file__).resolve().parent / "single_rank.py"
+SINGLE_RANK_SCRIPT = Path(__file__).resolve().parent / "single_rank.py"
 PATCH = "checkpointing-restore"
 STEPS = 2
-SINGLE_RANK_TIMEOUT = 180  # ~10 s
+SINGLE_RANK_TIMEOUT = 180  # ~10 s a case, after the import of the stack
 # Keys transformers' Trainer takes out of the checkpointing kwargs before torch.utils.checkpoint sees them.
 TRAINER_KEYS = ("every_n_layers", "offload")
 
@@ -41,12 +42,25 @@ def run_gkd_zero3(tmp_path: Path, shim_disabled: bool) -> Run:
     return launch(command, log_dir, environment(shim_disabled), ZERO3_TIMEOUT)
 
 
-def run_single_rank(tmp_path: Path, trainer: str, shim_disabled: bool) -> Run:
-    """GRPO or DPO on one process, no DeepSpeed."""
-    log_dir = tmp_path / f"{trainer}-{'shim-off' if shim_disabled else 'shim-on'}"
-    log_dir.mkdir()
-    command = [sys.executable, str(SINGLE_RANK), trainer, str(log_dir), "--max-steps", str(STEPS)]
-    return collect(run(command, log_dir, environment(shim_disabled), SINGLE_RANK_TIMEOUT), log_dir)
+def single_rank_case(trainer: str, shim_on: bool) -> Case:
+    switch = () if shim_on else ("--shim-off", "all")
+    return Case(f"{trainer}-{'shim-on' if shim_on else 'shim-off'}", (trainer, "--max-steps", str(STEPS), *switch))
+
+
+# One process runs the four cases: on one rank an error is recorded and the next case goes on.
+SINGLE_RANK = Launches(
+    SINGLE_RANK_SCRIPT,
+    [[single_rank_case(trainer, shim_on) for trainer in ("grpo", "dpo") for shim_on in (False, True)]],
+    records="checkpointing-rank",
+    timeout=SINGLE_RANK_TIMEOUT,
+    per_case=SINGLE_RANK_TIMEOUT // 2,
+    ranks=1,
+)
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory):
+    return SINGLE_RANK.runs(tmp_path_factory.mktemp("single-rank"))
 
 
 def expected_state(configured: dict, layers: list[dict]) -> list[dict]:
@@ -88,7 +102,8 @@ def assert_checkpointing_intact(run: Run, ranks: int) -> None:
 
 def test_gkd_zero3_completes_with_the_shim(tmp_path):
     """Without the shim this run crashes in the first backward (ZeRO-3's CheckpointError): shown on the same
-    example by tests/e2e/test_distributed.py::test_unmodified_gkd_zero3_crashes_without_shim_run."""
+    example by tests/e2e/test_distributed.py::test_unmodified_gkd_zero3_crashes_without_shim_run. A launch of
+    its own: the example is run as a user runs it, one training per process."""
     run = run_gkd_zero3(tmp_path, shim_disabled=False)
 
     assert run.returncode == 0, f"the ZeRO-3 run failed with the shim on\n{run.describe()}"
@@ -123,12 +138,14 @@ def _lost(run: Run) -> str | None:
     "transformers has from 5.16",
 )
 @pytest.mark.parametrize("trainer", ["grpo", "dpo"])
-def test_single_rank_loses_checkpointing_without_the_shim(tmp_path, trainer):
-    run = run_single_rank(tmp_path, trainer, shim_disabled=True)
+def test_single_rank_loses_checkpointing_without_the_shim(single_rank, trainer):
+    run = single_rank[f"{trainer}-shim-off"]
 
     assert run.reports, f"the run never reached training\n{run.describe()}"
     report = run.reports[0]
     assert report["configured"] == {"use_reentrant": True, "every_n_layers": 2}
+    # Every patch switched off through the case.
+    assert report["shim"].get(PATCH) == "disabled" and "applied" not in report["shim"].values(), report["shim"]
     # The Trainer set it up right; trl's re-enable loses it (every_n_layers: checkpointing-restore and checkpoint-kwargs-clean).
     setup = report["records"][0]
     assert observed_state(setup) == expected_state(report["configured"], setup["layers"]), run.describe()
@@ -136,8 +153,8 @@ def test_single_rank_loses_checkpointing_without_the_shim(tmp_path, trainer):
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "dpo"])
-def test_single_rank_keeps_checkpointing_with_the_shim(tmp_path, trainer):
-    run = run_single_rank(tmp_path, trainer, shim_disabled=False)
+def test_single_rank_keeps_checkpointing_with_the_shim(single_rank, trainer):
+    run = single_rank[f"{trainer}-shim-on"]
 
     assert _lost(run) is None, f"{trainer}: {_lost(run)}\n{run.describe()}"
     assert run.returncode == 0, run.describe()

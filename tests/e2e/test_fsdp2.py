@@ -1,11 +1,13 @@
 """End to end, two CPU ranks over gloo: FSDP2 activation checkpointing keeps the RNG state
 (``fsdp2-checkpoint-rng-state``).
 
-Each run is ``torchrun --nproc_per_node 2`` of ``tests/e2e/fsdp2_lora.py``: a PEFT LoRA Llama with dropout
-active, prepared by accelerate's own ``Accelerator.prepare`` for FSDP2 (``fsdp2_apply_ac``, then
-``fully_shard``), trained three steps. With activation checkpointing and the shim, every step's loss and
-gradient norm equal, rank by rank, those of the same run without checkpointing; with the patch switched off
-(``SHIM_DISABLE=fsdp2-checkpoint-rng-state``) the first step's gradients already differ.
+Each case is a run of ``tests/e2e/fsdp2_lora.py`` on two ranks: a PEFT LoRA Llama with dropout active, prepared
+by accelerate's own ``Accelerator.prepare`` for FSDP2 (``fsdp2_apply_ac``, then ``fully_shard``), trained three
+steps. With activation checkpointing and the shim, every step's loss and gradient norm equal, rank by rank,
+those of the same run without checkpointing; with the patch switched off
+(``shim.disabled("fsdp2-checkpoint-rng-state")`` around the case) the first step's gradients already differ.
+The three cases run one after the other in one launch of ``torchrun --nproc_per_node 2`` (tests/e2e/launch.py):
+the patch acts when ``fsdp2_apply_ac`` is called, and none of them crashes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import Run, applies, environment, launch, torchrun
+from tests.e2e.launch import Case, Launches, Run, applies
 
 pytestmark = [
     pytest.mark.e2e,
@@ -28,16 +30,26 @@ SCRIPT = Path(__file__).resolve().parent / "fsdp2_lora.py"
 PATCH = "fsdp2-checkpoint-rng-state"
 STEPS = 3
 TIMEOUT = 180  # ~20 s on 2 shared cores
+PER_CASE = 60  # ~3 s each further case
+
+LAUNCHES = Launches(
+    SCRIPT,
+    [
+        [
+            Case("no-checkpointing", ("--checkpointing", "off", "--steps", str(STEPS))),
+            Case("checkpointing-shim-on", ("--checkpointing", "on", "--steps", str(STEPS))),
+            Case("checkpointing-patch-off", ("--checkpointing", "on", "--steps", str(STEPS), "--shim-off", PATCH)),
+        ]
+    ],
+    records="fsdp2-rank",
+    timeout=TIMEOUT,
+    per_case=PER_CASE,
+)
 
 
-def run_fsdp2(tmp_path: Path, checkpointing: str, disabled: str = "") -> Run:
-    log_dir = tmp_path / f"checkpointing-{checkpointing}-{'off-' + disabled if disabled else 'shim-on'}"
-    log_dir.mkdir()
-
-    def command(directory: Path) -> list[str]:
-        return torchrun(SCRIPT, directory, str(directory), "--checkpointing", checkpointing, "--steps", str(STEPS))
-
-    return launch(command, log_dir, environment(disabled), TIMEOUT, records="fsdp2-rank")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return LAUNCHES.runs(tmp_path_factory.mktemp("fsdp2"))
 
 
 def assert_completed(run: Run) -> None:
@@ -54,16 +66,16 @@ def same(first: list[float], second: list[float]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Run:
+def reference(runs) -> Run:
     """The same training without activation checkpointing."""
-    run = run_fsdp2(tmp_path_factory.mktemp("fsdp2-reference"), "off")
+    run = runs["no-checkpointing"]
     assert_completed(run)
     assert all(report["preserve_rng_state"] == [] for report in run.reports.values())
     return run
 
 
-def test_fsdp2_checkpointing_with_dropout_trains_like_no_checkpointing(tmp_path, reference):
-    checkpointed = run_fsdp2(tmp_path, "on")
+def test_fsdp2_checkpointing_with_dropout_trains_like_no_checkpointing(runs, reference):
+    checkpointed = runs["checkpointing-shim-on"]
 
     assert_completed(checkpointed)
     for rank, report in checkpointed.reports.items():
@@ -75,8 +87,8 @@ def test_fsdp2_checkpointing_with_dropout_trains_like_no_checkpointing(tmp_path,
         assert same(report["losses"], expected["losses"]), (rank, report, expected)
 
 
-def test_fsdp2_checkpointing_with_dropout_gets_other_gradients_without_the_patch(tmp_path, reference):
-    upstream = run_fsdp2(tmp_path, "on", PATCH)
+def test_fsdp2_checkpointing_with_dropout_gets_other_gradients_without_the_patch(runs, reference):
+    upstream = runs["checkpointing-patch-off"]
 
     assert_completed(upstream)
     for rank, report in upstream.reports.items():
