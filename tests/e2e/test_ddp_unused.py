@@ -155,7 +155,7 @@ def test_a_head_used_on_some_steps_fails_either_way(runs):
 def test_frozen_layers_and_a_head_used_every_other_step_train_as_upstream(runs):
     """False and a static graph would both fail on this head (used every other step); upstream's True
     trains it. (Frozen layers with a head never used, where only False fails, are decided by the same
-    rule in tests/test_ddp_find_unused_for_checkpointing.py.)"""
+    rule in tests/patches/test_ddp_find_unused_for_checkpointing.py.)"""
     upstream = runs["frozen-step-patch-off"]
     shimmed = runs["frozen-step-shim-on"]
 
