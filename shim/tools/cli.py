@@ -117,7 +117,7 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
             for module_name in shim.registry.patch(name).modules:
                 try:
                     importlib.import_module(module_name)
-                except ImportError:
+                except Exception:  # not installed, or cannot load (a CUDA-only torch): the status says so
                     pass
     records = shim.status()
     if args.json:
@@ -132,19 +132,25 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import doctor
     from .report import table
 
+    json_file = None
+    if args.json_file:  # opened before the run: a path that cannot be written fails in a second, not after it
+        try:
+            json_file = open(args.json_file, "w", encoding="utf-8")
+        except OSError as exc:
+            args.parser.error(f"--json-file {args.json_file}: {exc.strerror or exc}")
     quiet_transformers()
     findings = doctor.run(shim.registry)
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
-    if args.json_file:
-        with open(args.json_file, "w", encoding="utf-8") as file:
-            file.write(records + "\n")
+    if json_file is not None:
+        with json_file:
+            json_file.write(records + "\n")
     if args.json:
         print(records)
     else:
         rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
         print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))
         for finding in findings:
-            if finding.verdict in doctor.FAILING or finding.verdict == doctor.NOT_REPRODUCED:
+            if finding.verdict in doctor.EXPLAINED:
                 detail = f"{finding.name}: {finding.verdict}: {finding.detail}"
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
     for note in doctor.notes():  # on stderr with --json: stdout stays the records

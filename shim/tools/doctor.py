@@ -23,9 +23,12 @@ OPTED_OUT = "opted out"
 NO_CHECK = "no self-check"
 NOT_INSTALLED = "not installed"
 ERROR = "check error"
+CANNOT_CHECK = "cannot check here"  # for a reason outside the patch (torch cannot be imported)
 
 #: Verdicts that make ``doctor`` exit non-zero.
 FAILING = frozenset({NOT_FIXED, ERROR})
+#: Verdicts whose reason doctor prints below its table.
+EXPLAINED = FAILING | {NOT_REPRODUCED, CANNOT_CHECK}
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,25 @@ def _yes_no(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def examine(registry: Registry, name: str) -> Finding:
+def blocker() -> str | None:
+    """Why no self-check can run in this environment, or ``None``. Every self-check trains a tiny
+    model, so torch must import: a CUDA-only wheel on a CPU machine or a broken install cannot, and
+    that is no bug the shim failed to fix."""
+    try:
+        importlib.import_module("torch")
+    except Exception as exc:  # ImportError, or OSError for a missing CUDA library
+        return f"torch cannot be imported: {exc!r}"
+    return None
+
+
+def examine(registry: Registry, name: str, blocked: str | None = None) -> Finding:
+    """One patch's finding; ``blocked``: why no self-check can run here (:func:`blocker`)."""
     patch = registry.patch(name)
     missing = []
     for module_name in patch.modules:  # importing the targets lets the patch apply (or skip)
         try:
             importlib.import_module(module_name)
-        except ImportError as exc:
+        except Exception as exc:  # ImportError; OSError from a library that cannot load (a CUDA-only torch)
             missing.append(f"{module_name} cannot be imported ({exc})")
     status = next(s for s in registry.status() if s.name == name)
     installed = status.installed or "-"
@@ -64,6 +79,8 @@ def examine(registry: Registry, name: str) -> Finding:
         status = replace(status, reason=f"{status.reason}; {'; '.join(missing)}")
     if patch.self_check is None:
         return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
+    if blocked is not None:
+        return Finding(name, installed, status.state, "-", "-", CANNOT_CHECK, blocked)
     try:
         with warnings.catch_warnings():
             # Upstream's own deprecation notices (e.g. trl calling gradient_checkpointing_* on
@@ -88,7 +105,8 @@ def examine(registry: Registry, name: str) -> Finding:
 
 
 def run(registry: Registry) -> list[Finding]:
-    return [examine(registry, name) for name in registry.names]
+    blocked = blocker()
+    return [examine(registry, name, blocked) for name in registry.names]
 
 
 #: What transformers raises when the installed peft is older than it needs (``check_peft_version``).

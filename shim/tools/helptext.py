@@ -29,9 +29,10 @@ states:
 
 EXIT_CODES = """\
 exit codes:
-    0  success (status always; doctor: nothing that applies here is left unfixed)
+    0  success (status always; doctor: nothing that applies here is left unfixed, or it cannot
+       check here: torch cannot be imported)
     1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-    2  the command line was not understood
+    2  the command line was not understood, or doctor's --json-file cannot be written
   141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
 
 DOCTOR_DESCRIPTION = """\
@@ -39,10 +40,11 @@ Run every patch's self-check on a tiny model built in code (nothing is downloade
 patch switched off (does the bug show on the installed versions?) and once on (is it gone?).
 
 verdicts:
-  fixed           the bug shows upstream and the patch removes it
-  NOT FIXED       the bug shows and the patch does not remove it (or cannot apply here)
-  not affected    the patch does not apply here and the bug does not show
-  not reproduced  the patch applies but its self-check does not show the bug here
-  opted out       switched off (SHIM_DISABLE); the self-check ran without it
-  not installed   the library the patch is for is not installed
-  check error     the self-check itself raised (the detail says what)"""
+  fixed              the bug shows upstream and the patch removes it
+  NOT FIXED          the bug shows and the patch does not remove it (or cannot apply here)
+  not affected       the patch does not apply here and the bug does not show
+  not reproduced     the patch applies but its self-check does not show the bug here
+  opted out          switched off (SHIM_DISABLE); the self-check ran without it
+  not installed      the library the patch is for is not installed
+  check error        the self-check itself raised (the detail says what)
+  cannot check here  no self-check can run in this environment (torch cannot be imported)"""

@@ -1,14 +1,19 @@
-"""doctor names an incompatibility of the installed releases that no patch fixes, with the error a
-user meets: transformers 5.24 asks for peft >= 0.22.0 while the newest peft is 0.21.2."""
+"""doctor: its verdicts on made-up patches, what it says where it cannot check (torch cannot be
+imported) and where its --json-file cannot be written, and the incompatibility of the installed
+releases that no patch fixes, with the error a user meets: transformers 5.24 asks for peft >= 0.22.0
+while the newest peft is 0.21.2."""
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 from packaging.version import Version
 
 from shim import SKIPPED, Registry
 from shim.tools import doctor
-from tests.conftest import run_python
+from tests.conftest import ROOT, run_python
 from tests.engine.fakes import TARGET, make_patch
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
@@ -70,3 +75,68 @@ def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_module
     assert findings["present"].verdict == doctor.NOT_FIXED, "the bug shows and the patch cannot apply"
     assert f"{pkg}.nowhere cannot be imported" in findings["present"].detail
     assert findings["uninstalled"].verdict == doctor.NOT_INSTALLED
+
+
+#: torch installed but not importable, two ways: Python's own block (``None`` in ``sys.modules``) and
+#: what a CUDA-only wheel raises on a machine without the CUDA libraries.
+TORCH_UNIMPORTABLE = {
+    "blocked": 'sys.modules["torch"] = None',
+    "cuda wheel on a cpu machine": """
+import importlib.util
+class CudaOnly:  # found as installed; its body fails where torch loads its CUDA libraries
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == "torch" else None
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        raise OSError("libcudart.so.13: cannot open shared object file: No such file or directory")
+sys.meta_path.insert(0, CudaOnly())""",
+}
+
+
+@pytest.mark.parametrize("how", TORCH_UNIMPORTABLE)
+def test_where_torch_cannot_be_imported_doctor_says_it_cannot_check_and_exits_0(how):
+    # It said "check error ... import of torch halted" for every patch and exited 1: "not fixed".
+    code = f"import sys\n{TORCH_UNIMPORTABLE[how]}\nfrom shim.tools.cli import main\nraise SystemExit(main(['doctor', '--json']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    findings = json.loads(done.stdout)
+    checked = [f for f in findings if f["verdict"] not in (doctor.NOT_INSTALLED, doctor.NO_CHECK)]
+    assert checked, "the patches with a self-check for installed libraries"
+    assert {f["verdict"] for f in checked} == {doctor.CANNOT_CHECK}
+    assert all(f["detail"].startswith("torch cannot be imported: ") for f in checked)
+    table = subprocess.run(
+        [sys.executable, "-c", code.replace("'doctor', '--json'", "'doctor'")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert table.returncode == 0 and "not fixed" not in table.stderr
+    assert f"{checked[0]['name']}: cannot check here: torch cannot be imported: " in " ".join(table.stdout.split())
+    status = subprocess.run(
+        [sys.executable, "-c", code.replace("'doctor', '--json'", "'--import-targets'")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+
+
+def test_a_json_file_that_cannot_be_written_fails_before_the_run_with_exit_2(tmp_path):
+    target = tmp_path / "no-such-folder" / "doctor.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "shim", "doctor", "--json-file", str(target)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stdout == "", "no check ran"
+    assert done.stderr.startswith("usage: python -m shim doctor ")
+    assert done.stderr.splitlines()[-1] == (
+        f"python -m shim doctor: error: --json-file {target}: No such file or directory"
+    )
+    assert "Traceback" not in done.stderr
