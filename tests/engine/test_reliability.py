@@ -26,29 +26,53 @@ from shim.selfcheck.models import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_name_of
 from tests.conftest import ROOT
 from tests.patches.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
+from tests.zygote import Zygote
 
 ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
 
 
-def run_script(code: str, timeout: int = 120, env: dict | None = None) -> dict:
-    """Run ``code`` in a fresh interpreter, killed after ``timeout`` seconds; its last line is JSON."""
+def clean_environment(env: dict | None = None) -> dict:
     import os
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
     clean.update(env or {})
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env=clean,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hung for {timeout} s (killed):\n{(exc.stderr or b'')[-3000:]!r}")
+    return clean
+
+
+def run_script(code: str, timeout: int = 120, env: dict | None = None, zygote: Zygote | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter, killed after ``timeout`` seconds; its last line is JSON.
+    ``zygote``: forked from one that has imported torch (for a script that starts with it)."""
+    if zygote is not None:
+        result = zygote.run(textwrap.dedent(code), timeout)
+        if result.returncode is None:
+            pytest.fail(f"hung for {timeout} s (killed):\n{result.stderr[-3000:]}")
+    else:
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(code)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=ROOT,
+                env=clean_environment(env),
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"hung for {timeout} s (killed):\n{(exc.stderr or b'')[-3000:]!r}")
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def zygotes():
+    """Two interpreters that have imported torch (the machine's two cores), for the scripts that
+    start with ``import torch``: each case is still a fresh interpreter from there on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = list(pool.map(lambda _: Zygote(clean_environment()), range(2)))
+    yield started
+    for zygote in started:
+        zygote.close()
 
 
 # -- 1, 2: threads importing at the same moment ------------------------------------------------------
@@ -179,8 +203,8 @@ CONTEXTS = {
 
 
 @pytest.mark.parametrize("context", CONTEXTS, ids=list(CONTEXTS))
-def test_the_first_import_inside_any_ambient_torch_state_still_applies_the_patch(context):
-    out = run_script(AMBIENT.format(context=CONTEXTS[context]), timeout=180)
+def test_the_first_import_inside_any_ambient_torch_state_still_applies_the_patch(context, zygotes):
+    out = run_script(AMBIENT.format(context=CONTEXTS[context]), timeout=180, zygote=zygotes[0])
     assert out["status"][0] == "applied", out["status"][1]
     assert (out["bug_upstream"], out["bug_with_shim"]) == (True, False)
 
@@ -508,9 +532,14 @@ def case_id(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def permutation_results():
+def permutation_results(zygotes):
     """Every case in its own interpreter, two at a time (the machine's cores), run once for all."""
+    import queue
     from concurrent.futures import ThreadPoolExecutor
+
+    idle: queue.Queue = queue.Queue()
+    for zygote in zygotes:
+        idle.put(zygote)
 
     def run(case):
         order, meta, threads = case
@@ -523,7 +552,11 @@ def permutation_results():
                 targets=TARGET_MODULES,
                 partial_errors=", ".join(PARTIAL_MODULE_ERRORS),
             )
-            return run_script(code, timeout=240)
+            zygote = idle.get()
+            try:
+                return run_script(code, timeout=240, zygote=zygote)
+            finally:
+                idle.put(zygote)
         except BaseException as exc:  # pytest.fail inside a pool thread: report it in the case's test
             return {"error": repr(exc)}
 
