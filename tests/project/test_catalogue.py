@@ -120,32 +120,36 @@ print(json.dumps({
 )
 
 
+def run_user_script(folder: Path, mine: bool) -> dict:
+    """USER_SCRIPT as ``python train.py`` in ``folder``, as a user runs it (no PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
+    (folder / "train.py").write_text(USER_SCRIPT.replace("{mine}", str(mine)))
+    result = subprocess.run(
+        [sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def plain_states(tmp_path_factory):
+    """The states of the same script in a folder with no patches of its own (run once for both layouts)."""
+    return run_user_script(tmp_path_factory.mktemp("plain"), mine=False)["states"]
+
+
 @pytest.mark.parametrize("layout", ["package", "module"])
-def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, layout):
+def test_a_users_own_patches_module_beside_the_script_changes_nothing(tmp_path, layout, plain_states):
     if layout == "package":
         (tmp_path / "patches").mkdir()
         (tmp_path / "patches" / "__init__.py").write_text("MINE = True\n")
     else:
         (tmp_path / "patches.py").write_text("MINE = True\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
-
-    def run(folder, mine: bool) -> dict:
-        (folder / "train.py").write_text(USER_SCRIPT.replace("{mine}", str(mine)))
-        result = subprocess.run(
-            [sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout.strip().splitlines()[-1])
-
-    out = run(tmp_path, mine=True)
+    out = run_user_script(tmp_path, mine=True)
     assert Path(out["user_patches"]).resolve().parent in (tmp_path.resolve(), (tmp_path / "patches").resolve())
     assert out["catalogue"] == "shim.patches"
     assert out["warnings"] == []
-    # The same states as the same script in a folder with no patches of its own.
-    (tmp_path / "plain").mkdir()
-    expected = run(tmp_path / "plain", mine=False)["states"]
-    assert out["states"] == expected and set(expected) == {row["name"] for row in catalogue.INDEX}
-    assert "applied" in expected.values()
+    assert out["states"] == plain_states and set(plain_states) == {row["name"] for row in catalogue.INDEX}
+    assert "applied" in plain_states.values()
 
 
 def test_the_wheel_installs_only_the_shim_package(tmp_path):
