@@ -13,9 +13,22 @@ import shim  # noqa: F401  (the shim is active for every in-process test, as for
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
 
-#: The files that run first, in this order: the two longest, so that under pytest-xdist (two workers,
-#: a file per worker, in this order: --no-loadscope-reorder) each starts at once on its own worker.
-FIRST = ("test_reliability.py", "test_do_no_harm.py")
+#: The files that run first, longest first (as measured with --durations): under pytest-xdist (two
+#: workers, a file per worker at a time, in this order: --no-loadscope-reorder) the long files start
+#: early and the many short ones fill the end, so neither worker waits long for the other's last file.
+FIRST = (
+    "test_reliability.py",
+    "test_do_no_harm.py",
+    "test_import_and_cli.py",
+    "test_checkpointing_path.py",
+    "test_shim_run.py",
+    "test_switches.py",
+    "test_cli_edges.py",
+    "test_doctor.py",
+    "test_catalogue.py",
+    "test_checkpointing_call_signature.py",
+    "test_effects_report.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
