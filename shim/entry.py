@@ -17,6 +17,7 @@ switch the patch's layers answer to follows from them and from whether a layer i
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -180,8 +181,7 @@ class Entry:
         if state == PENDING and self.gate is None:
             # Decided here rather than at activation, where it would cost every ``import shim`` a
             # metadata read (the log decides it the same way, when it shows the line).
-            skipped, reason, installed = gating.pending(self.declared, reason, forced)
-            state = SKIPPED if skipped else PENDING
+            state, reason, installed = self._pending_shown(reason, forced)
         elif installed is None:
             installed = gating.installed_version(self.declared.distribution)
         if state == APPLIED and self.layers:
@@ -276,8 +276,6 @@ class Entry:
 
     def _layers_now(self, reason: str) -> tuple[str, str]:
         """An applied patch's state as its layers stand now: one replaced since says so."""
-        import sys
-
         assert self.layers is not None
         stale = self.layers.stale()
         modules = {layer.module_name for layer in stale}
@@ -295,6 +293,14 @@ class Entry:
             return FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
         return APPLIED, reason
 
+    def _pending_shown(self, reason: str, forced: bool) -> tuple[str, str, str | None]:
+        """A pending patch whose gate is not decided yet, as status and log show it: skipped outside
+        its gate (``gating.pending``), else pending with the gate's reason; and the installed version."""
+        from .gating import pending
+
+        skipped, shown, installed = pending(self.declared, reason, forced)
+        return (SKIPPED if skipped else PENDING), shown, installed
+
     def _set(self, state: str, reason: str, level: int | None = None, forced: bool = False) -> None:
         if (self.state, self.reason) != (state, reason):
             if level is None:
@@ -302,10 +308,7 @@ class Entry:
             if log.isEnabledFor(level):
                 shown = (state, reason)
                 if state == PENDING and self.gate is None:  # as shim.status() shows it (a metadata read)
-                    from .gating import pending
-
-                    skipped, shown_reason, _ = pending(self.declared, reason, forced)
-                    shown = (SKIPPED if skipped else PENDING, shown_reason)
+                    shown = self._pending_shown(reason, forced)[:2]
                 log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
 
