@@ -117,6 +117,7 @@ EVERYDAY = ["generate", "save-load", "copy-pickle", "branch-trainable", "branch-
 EVERYDAY += ["own-checkpoint-function", "replaced-forward", "fsdp2-activation-checkpointing"]
 EVERYDAY += ["reentrant-round-trip-cycle", "checkpoint-function-args", "compiled-layer-forward"]
 EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-forward-switched-off"]
+EVERYDAY += ["training-arguments"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

@@ -20,6 +20,9 @@
   function of one's own that does not look for its layer (reentrant and not): one training step.
 - ``replaced-forward``: a decoder-layer class whose ``forward`` was replaced by a function calling the
   original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
+- ``training-arguments``: ``TrainingArguments`` parsed with the old names, the new ones and neither,
+  then deep-copied, pickled, copied with ``dataclasses.replace`` of a new name, rebuilt from
+  ``to_dict()``: each one's checkpointing fields, and the checkpointing warnings.
 - ``fsdp2-activation-checkpointing``: accelerate's ``fsdp2_apply_ac`` (one process, a stand-in
   accelerator) on a Llama without dropout: one training step.
 
@@ -564,6 +567,45 @@ def staticmethod_forward() -> dict:
     return records
 
 
+def training_arguments() -> dict:
+    """TrainingArguments as scripts build and copy them: parsed from the command line (old names, new
+    names, JSON kwargs), copied, pickled, rebuilt unchanged, one new name set later: what each ends
+    with, and the checkpointing warnings upstream gives."""
+    import dataclasses
+    import warnings
+
+    fields = ("activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing")
+    fields += ("gradient_checkpointing_kwargs", "learning_rate")
+    lines = {
+        "old names": ["--gradient_checkpointing", "--gradient_checkpointing_kwargs", '{"use_reentrant": true}'],
+        "new names": ["--activation_checkpointing", "--activation_checkpointing_kwargs", '{"use_reentrant": false}'],
+        "neither": ["--learning_rate", "0.001"],
+    }
+    records = {}
+    with tempfile.TemporaryDirectory() as directory:
+        parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+        for name, line in lines.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                args = parser.parse_args_into_dataclasses(
+                    ["--output_dir", directory, "--use_cpu", "--report_to", "none", *line]
+                )[0]
+                copies = {
+                    "parsed": args,
+                    "deepcopy": copy.deepcopy(args),
+                    "pickle": pickle.loads(pickle.dumps(args)),
+                    "replace, new name": dataclasses.replace(args, activation_checkpointing=True),
+                    "rebuilt": transformers.TrainingArguments(**args.to_dict()),
+                }
+                copies["deepcopy"].learning_rate = 0.5
+            records[name] = {
+                copied: {field: repr(getattr(value, field, None)) for field in fields}
+                for copied, value in copies.items()
+            }
+            records[name]["warnings"] = sorted({str(w.message) for w in caught if "checkpointing" in str(w.message)})
+    return records
+
+
 CASES = {
     "generate": generate,
     "save-load": save_load,
@@ -580,6 +622,7 @@ CASES = {
     "self-checkpointing-forward": self_checkpointing_forward,
     "staticmethod-forward": staticmethod_forward,
     "replaced-forward-switched-off": replaced_forward_switched_off,
+    "training-arguments": training_arguments,
 }
 
 if __name__ == "__main__":
