@@ -58,8 +58,34 @@ def fake_modules(tmp_path, monkeypatch):
     return make
 
 
-def run_python(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with the SHIM_* variables only from ``env``."""
+_zygote = None
+
+
+def zygote():
+    """This process's :class:`tests.zygote.Zygote` (started on first use, closed at exit)."""
+    global _zygote
+    if _zygote is None:
+        import atexit
+
+        from tests.zygote import Zygote
+
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
+        _zygote = Zygote(clean | {"PYTHONPATH": str(ROOT)})
+        atexit.register(_zygote.close)
+    return _zygote
+
+
+def run_python(
+    code: str, env: dict | None = None, timeout: int = 300, torch_first: bool = False
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the SHIM_* variables only from ``env``.
+    ``torch_first``: forked from one that has imported torch (``tests/zygote.py`` says when that is
+    the same), which saves most of the stack's import."""
+    if torch_first:
+        result = zygote().run(textwrap.dedent(code), timeout, env=env)
+        assert result.returncode is not None, f"hung for {timeout} s (killed):\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
+        return result
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
     clean.update(env or {})
     clean["PYTHONPATH"] = str(ROOT)

@@ -7,9 +7,11 @@ patch) and forks a child per script: the child runs the script as ``python -c`` 
 zygote's ``__main__``, exits as an interpreter does (atexit, threads joined), and runs in a session
 of its own, so a timeout kills it with every thread and process it started.
 
-Only for scripts whose first step is ``import torch``, so that what they test (the order of the
-shim, transformers, trl and a model; the torch state the first import runs in) starts after what
-the zygote has done: tests/engine/test_reliability.py's import orders and ambient states.
+Only for scripts whose first step is ``import torch``, or that test nothing torch's import could
+change, so that what they test (the order of the shim, transformers, trl and a model; the torch
+state the first import runs in; the shim's output) starts after what the zygote has done:
+tests/engine/test_reliability.py's import orders and ambient states, and ``run_python(...,
+torch_first=True)`` (never for a script that checks what ``import shim`` imports, or blocks torch).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def child(request):  # a fresh interpreter after `import torch`, as far as the s
     import os, sys  # locals: the script gets __main__ to itself
 
     os.setsid()
+    os.environ.update(request["env"])  # before the script imports the shim, which reads them
+    if request["folder"]:  # as `python script.py` in that folder, without PYTHONPATH
+        os.chdir(request["folder"])
+        given = os.environ.pop("PYTHONPATH", "").split(os.pathsep)
+        sys.path[:] = [request["folder"]] + [path for path in sys.path[1:] if path not in given]
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
     sys.stdin = open(os.devnull)
@@ -81,14 +88,20 @@ class Zygote:
         )
         assert self._process.stdout is not None and self._process.stdout.readline() == "ready\n"
 
-    def run(self, code: str, timeout: float) -> subprocess.CompletedProcess:
-        """Run ``code`` in a child; ``returncode`` is ``None`` when it was killed after ``timeout``."""
+    def run(
+        self, code: str, timeout: float, env: dict[str, str] | None = None, folder: str | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run ``code`` in a child; ``returncode`` is ``None`` when it was killed after ``timeout``.
+        ``env``: set in the child before the script runs; ``folder``: run it as a script there
+        (its cwd and ``sys.path[0]``), without the zygote's PYTHONPATH."""
         assert self._process.stdin is not None and self._process.stdout is not None
         with tempfile.TemporaryDirectory() as directory, self._lock:
             paths = {stream: os.path.join(directory, stream) for stream in ("stdout", "stderr")}
             for path in paths.values():
                 open(path, "w").close()
-            self._process.stdin.write(json.dumps({"code": code, "timeout": timeout, **paths}) + "\n")
+            self._process.stdin.write(
+                json.dumps({"code": code, "timeout": timeout, "env": env or {}, "folder": folder, **paths}) + "\n"
+            )
             self._process.stdin.flush()
             returncode = json.loads(self._process.stdout.readline())["returncode"]
             with open(paths["stdout"]) as out, open(paths["stderr"]) as err:

@@ -178,13 +178,13 @@ def test_disabled_rows_still_show_the_installed_version(fake_modules, monkeypatc
 @pytest.mark.parametrize("level", ["INFO", "debug"])
 def test_shim_log_level_shows_the_shims_log_lines_on_stderr(level):
     code = "import shim\nimport transformers.modeling_utils"
-    stderr = run_python(code, env={"SHIM_LOG_LEVEL": level}).stderr
+    stderr = run_python(code, env={"SHIM_LOG_LEVEL": level}, torch_first=True).stderr
     assert "shim INFO: checkpointing-restore: applied (transformers" in stderr
     assert ("shim DEBUG: " in stderr) == (level == "debug")
 
 
 def test_without_shim_log_level_the_shim_prints_nothing():
-    assert run_python("import shim\nimport transformers.modeling_utils").stderr == ""
+    assert run_python("import shim\nimport transformers.modeling_utils", torch_first=True).stderr == ""
 
 
 def test_after_disable_deactivate_activate_the_reason_is_still_disable(fake_modules):
@@ -268,7 +268,13 @@ def test_deactivate_removes_the_shims_finder_and_activate_puts_it_back_first():
     import transformers.modeling_utils
     print({s.name: s.state for s in shim.status()}["load-keeps-requires-grad"])
     """
-    assert run_python(code).stdout.split() == ["[0]", "[]", "[0]", "[0]", "applied" if LOAD_BUG else "skipped"]
+    assert run_python(code, torch_first=True).stdout.split() == [
+        "[0]",
+        "[]",
+        "[0]",
+        "[0]",
+        "applied" if LOAD_BUG else "skipped",
+    ]
 
 
 # -- the log agrees with the status ------------------------------------------------------------------
@@ -293,7 +299,9 @@ print(json.dumps({{"records": records, "last": last,
 
 @pytest.mark.parametrize("then", ["pass", "import transformers.modeling_utils"])
 def test_the_last_log_line_of_each_patch_says_what_the_status_says(then):
-    out = json.loads(run_python(LOG_AND_STATUS.format(then=then), env={"SHIM_LOG_LEVEL": "DEBUG"}).stdout)
+    out = json.loads(
+        run_python(LOG_AND_STATUS.format(then=then), env={"SHIM_LOG_LEVEL": "DEBUG"}, torch_first=True).stdout
+    )
     assert out["last"] == out["status"], out["records"]
     applied = [m for level, m in out["records"] if level == "INFO" and ": applied (" in m]
     assert len(applied) == len({m.split(":")[0] for m in applied}), "INFO says 'applied' once per patch"

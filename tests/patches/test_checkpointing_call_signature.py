@@ -115,7 +115,7 @@ def test_trainer_module_that_bound_the_name_before_import_shim_sees_the_fix():
     shim.deactivate()
     print(dpo.disable_gradient_checkpointing is unpatched)
     """
-    lines = run_python(code).stdout.strip().splitlines()[-3:]
+    lines = run_python(code, torch_first=True).stdout.strip().splitlines()[-3:]
     assert lines == ["True True", "{'use_reentrant': True}", "True"]
 
 

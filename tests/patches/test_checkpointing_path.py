@@ -282,7 +282,7 @@ def test_a_model_enabled_reentrant_before_import_shim_keeps_its_configuration_an
                 }
     print(json.dumps(result))
     """
-    result = json.loads(run_python(code, timeout=240).stdout.strip().splitlines()[-1])
+    result = json.loads(run_python(code, timeout=240, torch_first=True).stdout.strip().splitlines()[-1])
     reentrant = [[True, True]] * 3
     for name in MODELS:  # upstream: its bare re-enable is non-reentrant, and right
         assert result[f"upstream {name}"] == {"before": reentrant, "after": [[True, False]] * 3, "wrong": []}
@@ -619,7 +619,7 @@ def test_a_replaced_forward_is_left_as_the_user_set_it_after_deactivate():
     result["activated"] = checkpointing_counts(cls)
     print(json.dumps(result))
     """
-    result = json.loads(run_python(code, timeout=180).stdout.strip().splitlines()[-1])
+    result = json.loads(run_python(code, timeout=180, torch_first=True).stdout.strip().splitlines()[-1])
     checkpointed, not_checkpointed = json.loads(json.dumps([CHECKPOINTED, NOT_CHECKPOINTED]))
     assert result == {
         "on": checkpointed,
@@ -706,6 +706,7 @@ else:
 """,
         env={"SHIM_STRICT": "1"},
         timeout=240,
+        torch_first=True,
     )
     assert "raised:" in result.stdout, result.stdout + result.stderr
     assert "reentrant-keyword-grads" in result.stdout and "GradientCheckpointingLayer" in result.stdout
@@ -725,6 +726,7 @@ for name in ("reentrant-keyword-grads", "reentrant-frozen-input-grads", "checkpo
 print("ok")
 """,
         timeout=240,
+        torch_first=True,
     )
     assert "ok" in result.stdout
 

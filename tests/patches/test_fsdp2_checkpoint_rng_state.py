@@ -188,7 +188,7 @@ def test_the_name_accelerate_binds_early_is_the_patched_one():
         assert accelerate.accelerator.fsdp2_apply_ac is original and accelerate.utils.fsdp2_apply_ac is original
         print("ok")
     """
-    assert run_python(code).stdout.strip().endswith("ok")
+    assert run_python(code, torch_first=True).stdout.strip().endswith("ok")
 
 
 def test_the_self_check_shows_the_bug_with_the_patch_off_only():

@@ -519,7 +519,8 @@ def test_no_class_level_layer_and_deactivate_restores_the_layers_class():
         assert dict(vars(layer_class)) == before
         shim.activate()
         assert shim.registry.is_on("reentrant-keyword-grads")
-        """
+        """,
+        torch_first=True,
     )
 
 

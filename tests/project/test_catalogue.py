@@ -3,7 +3,6 @@
 import importlib
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 import shim
 from shim import patches as catalogue
-from tests.conftest import ROOT, run_python
+from tests.conftest import ROOT, run_python, zygote
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -85,7 +84,7 @@ def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_pack
         "states": sorted({s.state for s in shim.status()}),
     }))
     """
-    out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    out = json.loads(run_python(code, torch_first=True).stdout.strip().splitlines()[-1])
     assert out["patch_modules"] == [] and out["packaging.specifiers"] is False and out["wrapt"] is False
     # shim.status() then reads the modules for their summaries: it imports them, applies nothing.
     assert "applied" not in out["states"]
@@ -121,12 +120,9 @@ print(json.dumps({
 
 
 def run_user_script(folder: Path, mine: bool) -> dict:
-    """USER_SCRIPT as ``python train.py`` in ``folder``, as a user runs it (no PYTHONPATH)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k != "PYTHONPATH"}
-    (folder / "train.py").write_text(USER_SCRIPT.replace("{mine}", str(mine)))
-    result = subprocess.run(
-        [sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=300
-    )
+    """USER_SCRIPT as ``python train.py`` in ``folder``, as a user runs it (no PYTHONPATH), forked
+    from an interpreter that has imported torch (nothing here depends on torch's import)."""
+    result = zygote().run(USER_SCRIPT.replace("{mine}", str(mine)), timeout=300, folder=str(folder))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -49,7 +49,9 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
 
 @pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
 def test_doctor_prints_the_note_below_its_table():
-    table = run_python("from shim.tools.cli import main; raise SystemExit(main(['doctor']))", timeout=600).stdout
+    table = run_python(
+        "from shim.tools.cli import main; raise SystemExit(main(['doctor']))", timeout=600, torch_first=True
+    ).stdout
     expected = doctor.notes()
     assert ("\nnote: transformers " in table) == bool(expected)
     if expected:

@@ -67,7 +67,7 @@ print("trained")
 
 @pytest.mark.skipif(TRANSFORMERS.major < 5, reason="version rule: the load effect needs transformers 5.x")
 def test_a_training_script_reports_its_effects_at_exit_and_logs_the_first_ones():
-    reported = run_python(TRAINING_SCRIPT, env={"SHIM_REPORT": "1", "RANK": "1"})
+    reported = run_python(TRAINING_SCRIPT, env={"SHIM_REPORT": "1", "RANK": "1"}, torch_first=True)
     assert "trained" in reported.stdout
     report = reported.stderr[reported.stderr.index("[rank 1] hf-train-shim report (pid ") :].splitlines()
     assert all(line.startswith("[rank 1] ") for line in report)
@@ -86,7 +86,7 @@ def test_a_training_script_reports_its_effects_at_exit_and_logs_the_first_ones()
         "last effect: FrozenBaseLlama was re-enabled without a configuration"
     )
 
-    logged = run_python(TRAINING_SCRIPT, env={"SHIM_LOG_LEVEL": "INFO"}).stderr
+    logged = run_python(TRAINING_SCRIPT, env={"SHIM_LOG_LEVEL": "INFO"}, torch_first=True).stderr
     assert "shim INFO: load-keeps-requires-grad: kept 1 parameter(s) of FrozenBaseLlama frozen" in logged
     assert "shim INFO: checkpointing-restore: FrozenBaseLlama was re-enabled without a configuration" in logged
     assert logged.count("load-keeps-requires-grad: kept") == 1, "logged once, counted always"

@@ -34,7 +34,7 @@ print(json.dumps({"kept": requires_grad_map(loaded) == requires_grad_map(model),
 
 
 def round_trip(first_import: str, env=None) -> dict:
-    output = run_python(first_import + "\n" + ROUND_TRIP, env=env).stdout
+    output = run_python(first_import + "\n" + ROUND_TRIP, env=env, torch_first=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -82,17 +82,19 @@ def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
     shim.deactivate()
     print(layers())
     """
-    assert run_python(code).stdout.split() == ["1", "0"]
+    assert run_python(code, torch_first=True).stdout.split() == ["1", "0"]
 
 
 def test_status_cli_json_and_table():
-    records = json.loads(run_python("from shim.tools.cli import main; main(['--json', '--import-targets'])").stdout)
+    records = json.loads(
+        run_python("from shim.tools.cli import main; main(['--json', '--import-targets'])", torch_first=True).stdout
+    )
     record = next(r for r in records if r["name"] == NAME)
     assert record["installed"] == transformers.__version__
     assert record["state"] == LOAD_PATCH_STATE
     assert record["targets"][0] == "transformers.core_model_loading:set_param_for_module"
     table = run_python(
-        "from shim.tools.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}
+        "from shim.tools.cli import main; main(['--import-targets'])", env={"SHIM_DISABLE": "all"}, torch_first=True
     ).stdout
     lines = table.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
@@ -101,7 +103,9 @@ def test_status_cli_json_and_table():
 
 
 def test_doctor_reports_the_load_bug_present_upstream_and_fixed():
-    out = run_python("from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))").stdout
+    out = run_python(
+        "from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))", torch_first=True
+    ).stdout
     finding = next(f for f in json.loads(out) if f["name"] == NAME)
     expected = ("yes", "no", "fixed") if LOAD_BUG else ("no", "no", "not affected")
     assert (finding["bug_upstream"], finding["bug_with_shim"], finding["verdict"]) == expected
