@@ -69,6 +69,7 @@ venv_stamp() {
         cat "$@"
         if [ -n "$SHIM_UV" ]; then echo "uv $SHIM_UV_VERSION"; else echo pip; fi
         echo "compile=${SHIM_COMPILE:-1}"
+        [ -z "${SHIM_EXCLUDE:-}" ] || echo "exclude=$SHIM_EXCLUDE"
         echo "$SHIM_PIPCONF"
         python3 -c 'import sys; print(sys.version)'
     } | sha256sum | cut -d' ' -f1
@@ -111,6 +112,20 @@ venv_install() {
     else
         "$venv/bin/python" -m pip install -q --disable-pip-version-check "$(_compile --compile --no-compile)" "$@"
     fi
+}
+
+# venv_excludes VENV: SHIM_EXCLUDE's packages (names, space-separated) as uv's --excludes file in
+# VENV, in EXCLUDE_ARGS: a matrix cell whose release requires a package the index cannot meet is
+# built without it (scripts/matrixlib/cells.py says which and why). pip has no such option.
+venv_excludes() {
+    EXCLUDE_ARGS=()
+    [ -n "${SHIM_EXCLUDE:-}" ] || return 0
+    if [ -z "$SHIM_UV" ]; then
+        echo "SHIM_EXCLUDE=$SHIM_EXCLUDE needs uv (--excludes); pip cannot leave a dependency out" >&2
+        return 1
+    fi
+    tr ' ' '\n' <<<"$SHIM_EXCLUDE" >"$1/.shim-excludes"
+    EXCLUDE_ARGS=(--excludes "$1/.shim-excludes")
 }
 
 _torch_of() {  # _torch_of VENV: the installed torch's version, empty if none

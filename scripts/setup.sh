@@ -4,6 +4,8 @@
 #   SHIM_VENV=path     another environment (the matrix builds its cells so)
 #   SHIM_COMPILE=0     no bytecode compiled at install (the matrix's doctor-only cells: one process each)
 #   SHIM_USE_PIP=1     build with pip instead of uv
+#   SHIM_EXCLUDE=names leave these dependencies out (uv's --excludes; a matrix cell whose release
+#                      requires a package the index lacks, scripts/matrixlib/cells.py)
 # Built with uv (scripts/_venv.sh). An environment already built from the same constraints,
 # pyproject.toml, scripts and pip configuration is left as it is: the command then takes a second.
 set -euo pipefail
@@ -25,7 +27,8 @@ if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_B
 fi
 make_venv "$venv"
 install_torch "$venv" "$constraints"
-venv_install "$venv" -e ".[test]" -c "$constraints"
+venv_excludes "$venv"
+venv_install "$venv" -e ".[test]" -c "$constraints" ${EXCLUDE_ARGS[@]+"${EXCLUDE_ARGS[@]}"}
 check_torch "$venv"
 venv_done "$venv" "$stamp"
 summary

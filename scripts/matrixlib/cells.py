@@ -18,6 +18,15 @@ class Cell:
     name: str
     venv: str = ""  # default: .venvs/<name>
     suite: bool = True  # False: an edge cell that runs doctor only
+    #: A focused cell (the default stack with one package changed): only these tests, instead of
+    #: every patch's own (:func:`.runs.cell_tests`), the tests of the patches on that package.
+    tests: tuple[str, ...] = ()
+    #: Dependencies the cell is built without (``SHIM_EXCLUDE``, uv's ``--excludes``), each with why:
+    #: a release that requires a package the package index cannot meet. The README table names them.
+    without: tuple[tuple[str, str], ...] = ()
+    #: Environment variables the cell's suite and doctor run with, each with why (the README table
+    #: names them): how a release is used without a dependency left out above.
+    env: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def constraints(self) -> Path:
@@ -33,7 +42,10 @@ class Cell:
 #: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
 #: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
 #: activation_checkpointing_enable, and the override path after). peft0.20 is the default stack with peft 0.20.0, the last
-#: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability).
+#: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability). tf5.25 is the default stack with the
+#: newest transformers, built without ``kernels`` (5.25 requires kernels>=0.19.1, which the package index lacks), and
+#: accelerate1.16 the default stack with the newest accelerate: doctor and the tests of the one patch on accelerate
+#: (fsdp2-checkpoint-rng-state, whose gate accelerate>=1.8 is open above).
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
@@ -47,6 +59,19 @@ CELLS = (
     Cell("edge-tf5.22", suite=False),
     Cell("edge-tf5.23", suite=False),
     Cell("peft0.20"),
+    Cell(
+        "tf5.25",
+        without=(("kernels", "transformers 5.25.0 requires kernels>=0.19.1,<0.20; the package index has <= 0.17.2"),),
+        env=(
+            (
+                "USE_HUB_KERNELS",
+                "NO",
+                "transformers' own switch: from_pretrained defaults to use_kernels=True from 5.25 and raises "
+                "ValueError('Kernels are not available') without kernels; the kernelized load is not measured",
+            ),
+        ),
+    ),
+    Cell("accelerate1.16", tests=("tests/patches/test_fsdp2_checkpoint_rng_state.py",)),
     Cell("default", venv=".venv"),
 )
 BY_NAME = {cell.name: cell for cell in CELLS}
@@ -55,6 +80,21 @@ BY_NAME = {cell.name: cell for cell in CELLS}
 def clean_env(cell: Cell) -> dict:
     """No SHIM_* settings of the developer's, no foreign PYTHONPATH or venv."""
     return {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def run_env(cell: Cell) -> dict:
+    """The environment of the cell's suite and doctor: :func:`clean_env` and the cell's own ``env``."""
+    return clean_env(cell) | {name: value for name, value, _ in cell.env}
+
+
+def build_env(cell: Cell) -> dict:
+    """What ``scripts/setup.sh`` needs to build the cell (its venv is set by the caller)."""
+    env = clean_env(cell)
+    if not cell.suite:
+        env["SHIM_COMPILE"] = "0"
+    if cell.without:
+        env["SHIM_EXCLUDE"] = " ".join(name for name, _ in cell.without)
+    return env
 
 
 def say(text: str = "") -> None:
@@ -72,9 +112,7 @@ def build(cell: Cell, out: Path) -> dict:
     compile less than the whole environment would cost (``SHIM_COMPILE=0``).
     """
     start = time.monotonic()
-    env = clean_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
-    if not cell.suite:
-        env["SHIM_COMPILE"] = "0"
+    env = build_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
     with open(out / "setup.log", "w") as log:
         result = subprocess.run(
             ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT

@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .cells import ROOT, Cell, clean_env, say
+from .cells import ROOT, Cell, build_env, say
 
 LOCK_MARKER = "# --- locked"
 
@@ -33,7 +33,7 @@ def lock(cell: Cell) -> None:
     with tempfile.TemporaryDirectory(dir=ROOT / ".venvs" if (ROOT / ".venvs").exists() else None) as tmp:
         constraints = Path(tmp) / "top.txt"
         constraints.write_text(top)
-        env = clean_env(cell) | {"SHIM_VENV": str(Path(tmp) / "venv"), "SHIM_COMPILE": "0"}
+        env = build_env(cell) | {"SHIM_VENV": str(Path(tmp) / "venv"), "SHIM_COMPILE": "0"}
         subprocess.run(["bash", "scripts/setup.sh", str(constraints)], cwd=ROOT, env=env, check=True)
         freeze = subprocess.run(
             [str(Path(tmp) / "venv" / "bin" / "python"), "-m", "pip", "freeze", "--exclude-editable"],

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cells import DEFAULT, REPORTS, ROOT, Cell, build, clean_env, say, show_build
+from .cells import DEFAULT, REPORTS, ROOT, Cell, build, run_env, say, show_build
 
 DISTRIBUTIONS = ("transformers", "trl", "peft", "accelerate", "torch")
 
@@ -68,13 +68,13 @@ def cell_tests() -> list[str]:
 
 
 def suite_command(cell: Cell) -> list[str]:
-    """pytest as the README runs it; outside the default cell :func:`cell_tests` only, without the
-    ``any_version`` tests among them."""
+    """pytest as the README runs it; outside the default cell :func:`cell_tests` (a focused cell: its
+    ``tests``) only, without the ``any_version`` tests among them."""
     command = [str(cell.python), "-m", "pytest", "-q"]
     if cell.name != DEFAULT:
         # One process (-n 0): a minute of tests does not pay for two more interpreters importing the
         # stack, and CI runs the matrix beside the end-to-end tests, which keep the other core busy.
-        command += ["-n", "0", "-m", "not e2e and not any_version", *cell_tests()]
+        command += ["-n", "0", "-m", "not e2e and not any_version", *(cell.tests or cell_tests())]
     return command
 
 
@@ -83,7 +83,7 @@ def run_suite(cell: Cell, out: Path) -> bool:
         process = subprocess.Popen(
             suite_command(cell),
             cwd=ROOT,
-            env=clean_env(cell),
+            env=run_env(cell),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -96,7 +96,7 @@ def run_suite(cell: Cell, out: Path) -> bool:
 
 
 def run_doctor(cell: Cell, out: Path) -> bool:
-    env = clean_env(cell)
+    env = run_env(cell)
     probe = subprocess.run([str(cell.python), "-c", CELL_PROBE], cwd=ROOT, env=env, capture_output=True, text=True)
     if probe.returncode:
         say(probe.stdout + probe.stderr)

@@ -23,6 +23,25 @@ def cell_text(gate: dict, finding: dict, known: dict, cell: str) -> str:
     return f"**{verdict}** (see doctor-reports/{cell})"
 
 
+def runs_text(cell: Cell) -> str:
+    if not cell.suite:
+        return "doctor (gate edge)"
+    if cell.tests:
+        return "doctor + " + ", ".join(f"`{test.rsplit('/', 1)[-1]}`" for test in cell.tests)
+    return "suite + doctor"
+
+
+def built_notes(cells: list[Cell]) -> list[str]:
+    """A line per cell built without a dependency or run with a setting of its own: the README says so."""
+    notes = []
+    for cell in cells:
+        parts = [f"built without `{name}` ({why})" for name, why in cell.without]
+        parts += [f"run with `{name}={value}` ({why})" for name, value, why in cell.env]
+        if parts:
+            notes.append(f"*`{cell.name}`*: " + "; ".join(parts) + ".")
+    return notes
+
+
 def render(reports: dict) -> str:
     order = sorted(
         reports,
@@ -37,7 +56,8 @@ def render(reports: dict) -> str:
     ]
     for cell in order:
         v = reports[cell]["versions"]
-        runs = "suite + doctor" if BY_NAME.get(cell, Cell(cell)).suite else "doctor (gate edge)"
+        declared = BY_NAME.get(cell, Cell(cell))
+        runs = runs_text(declared) + (" (note below)" if declared.without or declared.env else "")
         lines.append(
             f"| `{cell}` | {v['transformers']} | {v['trl']} | {v['peft'] or '-'} | "
             f"{v['accelerate'] or '-'} | {v['torch']} | {runs} |"
@@ -64,6 +84,9 @@ def render(reports: dict) -> str:
         "release is outside the patch's gate and the bug does not reproduce. *skipped: why*: the patch does "
         "not apply there, for the reason given.",
     ]
+    notes = built_notes([BY_NAME.get(cell, Cell(cell)) for cell in order])
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines)
 
 

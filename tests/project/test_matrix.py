@@ -214,8 +214,33 @@ def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
         if cell.name != cells.DEFAULT:
             command = runs.suite_command(cell)
             assert command[command.index("-m", 2) + 1] == "not e2e and not any_version", cell.name
-            assert set(patch_tests) <= set(command), cell.name
+            if cell.tests:  # a focused cell: its own tests only
+                assert command[command.index("-m", 2) + 2 :] == list(cell.tests), cell.name
+                assert all((ROOT / test.split("::")[0]).exists() for test in cell.tests), cell.name
+            else:
+                assert set(patch_tests) <= set(command), cell.name
             assert all((ROOT / test.split("::")[0]).exists() for test in runs.CELL_TESTS)
+
+
+def test_a_cell_built_without_a_dependency_says_so_and_how_it_runs(monkeypatch):
+    lean = cells.Cell("lean", without=(("kernels", "the index lacks it"),), env=(("USE_X", "NO", "x's switch"),))
+    focused = cells.Cell("focused", tests=("tests/patches/test_demo.py",))
+    monkeypatch.setattr(table, "BY_NAME", {"lean": lean, "focused": focused})
+    assert cells.build_env(lean)["SHIM_EXCLUDE"] == "kernels" and "SHIM_EXCLUDE" not in cells.build_env(focused)
+    assert cells.run_env(lean)["USE_X"] == "NO"
+    rendered = table.render({"lean": report("5.1.0", "fixed"), "focused": report("5.0.0", "fixed")})
+    assert "| `lean` | 5.1.0 | 1.0.0 | 0.21.2 | 1.15.0 | 2.13.0 | suite + doctor (note below) |" in rendered
+    assert "| `focused` | 5.0.0 | 1.0.0 | 0.21.2 | 1.15.0 | 2.13.0 | doctor + `test_demo.py` |" in rendered
+    assert rendered.endswith(
+        "\n\n*`lean`*: built without `kernels` (the index lacks it); run with `USE_X=NO` (x's switch)."
+    )
+
+
+def test_a_package_a_cell_is_built_without_is_not_pinned_in_it():
+    for cell in cells.CELLS:
+        pinned = {line.split("==")[0].lower() for line in cell.constraints.read_text().splitlines() if "==" in line}
+        for name, _why in cell.without:
+            assert name.lower() not in pinned, cell.name
 
 
 def test_the_command_line_starts_from_anywhere_without_its_folder_on_sys_path(tmp_path):

@@ -72,3 +72,24 @@ def test_it_asks_pip_itself():
     ).stdout
     assert printed.startswith("PIP_UV_ARGS=(")  # whatever this machine's pip has: bash that evaluates
     subprocess.run(["bash", "-euc", printed + '\n: "${PIP_UV_ARGS[@]+x}"'], check=True)
+
+
+def test_a_cell_built_without_a_dependency_passes_uv_an_excludes_file(tmp_path):
+    # scripts/_venv.sh's venv_excludes: SHIM_EXCLUDE's names, one a line, as uv's --excludes file.
+    script = f'set -e\nsource "{ROOT}/scripts/_venv.sh"\nvenv_excludes "$1"\nprintf "%s\\n" "${{EXCLUDE_ARGS[@]}}"'
+    shown = subprocess.run(
+        ["bash", "-c", f"SHIM_UV=uv SHIM_EXCLUDE='kernels other' && {script}", "-", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout.splitlines() == ["--excludes", f"{tmp_path}/.shim-excludes"]
+    assert (tmp_path / ".shim-excludes").read_text() == "kernels\nother\n"
+
+    # pip cannot leave a dependency out: the build stops instead of installing it.
+    refused = subprocess.run(
+        ["bash", "-c", f"SHIM_UV= SHIM_EXCLUDE=kernels && {script}", "-", str(tmp_path / "pip")],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 1 and "needs uv" in refused.stderr
