@@ -196,7 +196,10 @@ def install(
     parent, attribute, _original = wrapt.resolve_path(module, path)
     owner = parent if isinstance(parent, type) else None
     inherited = owner is not None and attribute not in vars(owner)
-    method = owner is not None and inspect.isfunction(inspect.getattr_static(owner, attribute))
+    static = inspect.getattr_static(owner, attribute) if owner is not None else None
+    # A function, or an inherited callable (a slot wrapper such as object.__setattr__) that the
+    # layer reaches through a dispatch function: a method either way.
+    method = owner is not None and (inspect.isfunction(static) or (inherited and callable(static)))
     layer_class = _MethodLayer if method else _Layer
 
     def factory(original: Any) -> Any:
