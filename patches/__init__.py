@@ -67,6 +67,13 @@ INDEX = (
         "modules": ("trl.models.utils",),
     },
     {
+        "name": "trl-selective-reaches-peft",
+        "module": "trl_selective_reaches_peft",
+        "distribution": "trl",
+        "requires": ">=1.15",
+        "modules": ("trl.models.selective_activation_checkpointing",),
+    },
+    {
         "name": "zero3-delegating-wrapper-hooks",
         "module": "zero3_delegating_wrapper_hooks",
         "distribution": "deepspeed",

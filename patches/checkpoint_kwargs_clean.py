@@ -7,8 +7,9 @@ non-reentrant ones silently lose the every-n pattern. trl's ``selective`` key ca
 
 Fix: the enable implementation is wrapped. Those three keys are taken out of the kwargs dict;
 ``every_n_layers`` and ``offload`` are passed as the parameters they are (an explicit parameter wins
-over the dict), ``selective`` is dropped (trl's own wrapper handles it). Nothing else in the dict
-changes.
+over the dict). ``selective`` is dropped; set, it is also warned about: trl's wrapper takes it out,
+so reaching here means that wrapper did not run and trl's selective checkpointing is off. Nothing
+else in the dict changes.
 
 Limits: where the installed transformers has no such parameter the key is dropped with a warning.
 Any other key ``torch.utils.checkpoint`` does not accept still reaches it.
@@ -41,7 +42,13 @@ def _cleaning_enable(kwargs_name: str):
         config = dict(config)
         moved = sorted(_NOT_FOR_CHECKPOINT.intersection(config))
         lifted = {name: config.pop(name) for name in _PARAMETERS if name in config}
-        config.pop("selective", None)
+        if config.pop("selective", None):
+            log.warning(
+                "%s: 'selective': True reached the checkpointing enable of %s, so trl's selective "
+                "checkpointing wrapper did not run on it: its layers checkpoint without trl's policy "
+                "(docs/bugs.md#trl-selective-reaches-peft)",
+                NAME, type(instance).__name__,
+            )  # fmt: skip
         record_effect(
             NAME,
             "took %s out of the checkpointing kwargs of %s, which transformers would pass to "

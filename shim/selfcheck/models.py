@@ -247,3 +247,31 @@ def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[An
     model.train()
     inputs = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     return model, lambda m: m(inputs).pow(2).mean()
+
+
+SFT_WORDS = "<pad> <unk> <bos> <eos> hi how are you what is your name i am fine my cat the dog a mat".split()
+
+
+def sft_inputs(layers: int = 2) -> tuple[Any, Any, Any]:
+    """What a trl ``SFTTrainer`` needs, built in code: a word-level tokenizer of :data:`SFT_WORDS`, a
+    tiny Llama sized to it (seeded: two builds are equal) and a two-row ``datasets.Dataset`` of text."""
+    import datasets  # type: ignore[import-untyped]
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(SFT_WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        tiny_llama_config(
+            num_hidden_layers=layers, vocab_size=len(SFT_WORDS), pad_token_id=0, bos_token_id=2, eos_token_id=3
+        )
+    )
+    dataset = datasets.Dataset.from_dict(
+        {"text": ["hi how are you i am fine", "what is your name my cat the dog a mat"]}
+    )
+    return tokenizer, model, dataset

@@ -118,6 +118,7 @@ EVERYDAY += ["own-checkpoint-function", "replaced-forward", "fsdp2-activation-ch
 EVERYDAY += ["reentrant-round-trip-cycle", "checkpoint-function-args", "compiled-layer-forward"]
 EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-forward-switched-off"]
 EVERYDAY += ["training-arguments"]
+EVERYDAY += ["trl-sft-checkpointing"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

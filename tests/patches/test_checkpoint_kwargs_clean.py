@@ -1,6 +1,7 @@
 """checkpoint-kwargs-clean: every_n_layers/offload/selective inside the kwargs never reach torch.utils.checkpoint."""
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -92,3 +93,15 @@ def test_kwargs_clean_counts_configurations_it_cleaned(ledger):
         "took selective out of the checkpointing kwargs of LlamaForCausalLM, which transformers would pass "
         "to torch.utils.checkpoint; every_n_layers/offload became the parameters they are",
     )
+
+
+def test_selective_set_is_dropped_with_a_warning_unset_without(caplog):
+    """``"selective": True`` reaching an enable means trl's wrapper did not run: not silent any more."""
+    with caplog.at_level(logging.WARNING, logger="shim"):
+        configure(tiny_llama(), {"use_reentrant": False, "selective": False})
+        assert caplog.text == ""
+        model = tiny_llama()
+        configure(model, {"use_reentrant": False, "selective": True})
+    assert checkpoint_kwargs(model) == {"use_reentrant": False}
+    assert "'selective': True reached the checkpointing enable of LlamaForCausalLM" in caplog.text
+    assert "docs/bugs.md#trl-selective-reaches-peft" in caplog.text

@@ -25,6 +25,9 @@
   ``to_dict()``: each one's checkpointing fields, and the checkpointing warnings.
 - ``fsdp2-activation-checkpointing``: accelerate's ``fsdp2_apply_ac`` (one process, a stand-in
   accelerator) on a Llama without dropout: one training step.
+- ``trl-sft-checkpointing``: trl's ``SFTTrainer``, two steps with checkpointing: trl's ``selective`` on a
+  plain Llama, and a LoRA config without it: losses, weight digests, the keys of each layer's
+  checkpoint partial.
 
 The checkpointing path (``tests/test_checkpointing_path.py``); each records only what upstream and a
 fixed shim share, and says ``skipped`` where its shape does not exist in the installed transformers:
@@ -603,6 +606,50 @@ def training_arguments() -> dict:
                 for copied, value in copies.items()
             }
             records[name]["warnings"] = sorted({str(w.message) for w in caught if "checkpointing" in str(w.message)})
+def trl_sft_checkpointing() -> dict:
+    """trl's ``SFTTrainer`` as users run it where ``trl-selective-reaches-peft`` sits: ``selective``
+    checkpointing on a plain model (trl's wrapper reached directly), and a LoRA model without it."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(name) for name in ("trl", "peft", "datasets")):
+        return {"outcome": "skipped", "why": "trl, peft or datasets is not installed"}
+    import trl
+    from trl import SFTConfig, SFTTrainer
+
+    records = {}
+    for case, selective, lora in (("selective", True, False), ("lora", False, True)):
+        if selective and not hasattr(trl.models, "enable_selective_activation_checkpointing"):
+            records[case] = {"outcome": "skipped", "why": "trl has no selective checkpointing"}
+            continue
+        tokenizer, model, dataset = tinymodels.sft_inputs(2)
+        with tempfile.TemporaryDirectory() as folder:
+            args = SFTConfig(
+                output_dir=folder,
+                per_device_train_batch_size=2,
+                max_steps=2,
+                max_length=16,
+                learning_rate=1e-2,
+                logging_steps=1,
+                use_cpu=True,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                seed=0,
+                gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"selective": True} if selective else {"use_reentrant": False},
+            )
+            trainer = SFTTrainer(
+                model=model,
+                args=args,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=tinymodels.lora_config(init_lora_weights=False) if lora else None,
+            )
+            trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        layers = trainer.model.get_base_model().model.layers if lora else trainer.model.model.layers
+        context = [sorted(getattr(layer._gradient_checkpointing_func, "keywords", {})) for layer in layers]
+        records[case] = {"losses": losses, "weights": digest(weights(trainer.model)), "keywords": context}
     return records
 
 
@@ -623,6 +670,7 @@ CASES = {
     "staticmethod-forward": staticmethod_forward,
     "replaced-forward-switched-off": replaced_forward_switched_off,
     "training-arguments": training_arguments,
+    "trl-sft-checkpointing": trl_sft_checkpointing,
 }
 
 if __name__ == "__main__":
