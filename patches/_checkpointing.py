@@ -199,6 +199,28 @@ def configured_kwargs(functions) -> dict | None:
     return None
 
 
+def captured_kwargs(captured: list) -> dict | None:
+    """:func:`configured_kwargs` of a :func:`capture`."""
+    return configured_kwargs((flag, function) for _module, flag, function in captured)
+
+
+def describe(kwargs) -> str:
+    """A configuration for a log line or an effect: a kwargs dict, :data:`MISSING` (the function
+    :func:`restore` replaced was the same, only the flags differed), ``None`` or a checkpoint function."""
+    if kwargs is MISSING:
+        return "the same kwargs with another layer pattern"
+    if kwargs is None:
+        return "no checkpoint kwargs"
+    if isinstance(kwargs, dict):
+        return repr(kwargs)
+    return f"checkpoint function {getattr(kwargs, '__qualname__', type(kwargs).__name__)}"
+
+
+def replaced_kwargs(replaced):
+    """What :func:`restore` replaced, as :func:`describe` reads it: a partial's kwargs, else itself."""
+    return dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced
+
+
 def is_reentrant(function) -> bool:
     """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
 

@@ -20,12 +20,20 @@ Full story, versions measured and references: docs/bugs.md#checkpointing-restore
 from __future__ import annotations
 
 import contextvars
-import functools
 
 from shim import Patch, Target, record_effect
 
 from ._arguments import argument
-from ._checkpointing import MISSING, ModelState, capture, configured_kwargs, forget_layout, layer_state, restore
+from ._checkpointing import (
+    ModelState,
+    capture,
+    captured_kwargs,
+    describe,
+    forget_layout,
+    layer_state,
+    replaced_kwargs,
+    restore,
+)
 
 NAME = "checkpointing-restore"
 
@@ -60,21 +68,7 @@ def _public_enable(wrapped, instance, args, kwargs):
 def _carries_no_configuration(checkpoint_kwargs, explicit_layout: bool, captured) -> bool:
     if explicit_layout:
         return False
-    return not checkpoint_kwargs or dict(checkpoint_kwargs) == _kwargs_of(captured)
-
-
-def _kwargs_of(captured) -> dict | None:
-    return configured_kwargs((flag, function) for _module, flag, function in captured)
-
-
-def _describe(kwargs) -> str:
-    if kwargs is MISSING:
-        return "the same kwargs with another layer pattern"
-    if kwargs is None:
-        return "no checkpoint kwargs"
-    if isinstance(kwargs, dict):
-        return repr(kwargs)
-    return f"checkpoint function {getattr(kwargs, '__qualname__', type(kwargs).__name__)}"
+    return not checkpoint_kwargs or dict(checkpoint_kwargs) == captured_kwargs(captured)
 
 
 def _restoring_enable(kwargs_name: str):
@@ -94,12 +88,12 @@ def _restoring_enable(kwargs_name: str):
         else:
             changed, replaced = restore(captured)
             if changed:
-                upstream = dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced
                 record_effect(
                     NAME,
                     "%s was re-enabled without a configuration: transformers reset it to %s, the shim restored "
                     "%s on %d module(s)",
-                    type(instance).__name__, _describe(upstream), _describe(_kwargs_of(captured)), changed,
+                    type(instance).__name__, describe(replaced_kwargs(replaced)), describe(captured_kwargs(captured)),
+                    changed,
                 )  # fmt: skip
         return result
 
