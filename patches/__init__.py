@@ -46,6 +46,13 @@ INDEX = (
         "modules": ("transformers.modeling_utils",),
     },
     {
+        "name": "kbit-prepare-keeps-checkpointing",
+        "module": "kbit_prepare_keeps_checkpointing",
+        "distribution": "peft",
+        "requires": ">=0.6",
+        "modules": ("peft.utils.other",),
+    },
+    {
         "name": "load-keeps-requires-grad",
         "module": "load_keeps_requires_grad",
         "distribution": "transformers",

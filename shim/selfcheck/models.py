@@ -189,6 +189,18 @@ def vision_tower(model: Any) -> Any:
     return inner.visual if hasattr(inner, "visual") else model.visual
 
 
+def kbit_flagged_llama(layers: int = 4, **overrides: Any) -> Any:
+    """A :func:`tiny_llama` that peft's ``prepare_model_for_kbit_training`` takes for a 4-bit model:
+    it carries the ``is_loaded_in_4bit`` flag a quantized ``from_pretrained`` sets, with float32
+    weights (no bitsandbytes, nothing quantized). Seeded: two builds have the same weights."""
+    import torch
+
+    torch.manual_seed(0)
+    model = tiny_llama(layers, use_cache=False, **overrides)
+    model.is_loaded_in_4bit = True
+    return model
+
+
 def lora_config(**overrides: Any) -> Any:
     """A small ``peft.LoraConfig`` on the attention's q and v projections."""
     from peft import LoraConfig

@@ -119,6 +119,7 @@ EVERYDAY += ["reentrant-round-trip-cycle", "checkpoint-function-args", "compiled
 EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-forward-switched-off"]
 EVERYDAY += ["training-arguments"]
 EVERYDAY += ["trl-sft-checkpointing"]
+EVERYDAY += ["kbit-prepare"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

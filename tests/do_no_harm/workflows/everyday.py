@@ -28,6 +28,10 @@
 - ``trl-sft-checkpointing``: trl's ``SFTTrainer``, two steps with checkpointing: trl's ``selective`` on a
   plain Llama, and a LoRA config without it: losses, weight digests, the keys of each layer's
   checkpoint partial.
+- ``kbit-prepare``: a QLoRA script on a Llama flagged as loaded in 4 bit (``tinymodels.kbit_flagged_llama``):
+  peft's ``prepare_model_for_kbit_training`` on a model that does not checkpoint yet, with kwargs of the
+  caller's, with ``use_gradient_checkpointing=False``, and on a model that is not quantized, then a LoRA
+  adapter and one training step: each layer's checkpointing, the loss, the gradients' digest.
 
 The checkpointing path (``tests/test_checkpointing_path.py``); each records only what upstream and a
 fixed shim share, and says ``skipped`` where its shape does not exist in the installed transformers:
@@ -317,6 +321,35 @@ def fsdp2_activation_checkpointing() -> dict:
 
 TRANSFORMERS = Version(transformers.__version__)
 REPLACED_FORWARD = "replaced-forward-keeps-checkpointing"
+
+
+def kbit_prepare() -> dict:
+    import peft
+
+    def qlora(configured, quantized=True, **prepare_kwargs) -> dict:
+        model = tinymodels.kbit_flagged_llama(2)
+        model.is_loaded_in_4bit = quantized
+        if configured is not None:
+            tinysteps.enable_checkpointing(model, configured)
+        peft.prepare_model_for_kbit_training(model, **prepare_kwargs)
+        torch.manual_seed(1)
+        lora = peft.get_peft_model(model, tinymodels.lora_config(init_lora_weights=False)).train()
+        ids = input_ids()
+        loss = lora(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {"checkpointing": checkpointing_of(model), "loss": loss.item(), "grads": digest(grads(lora))}
+
+    return {
+        "fresh model": qlora(None),
+        "fresh model, caller's kwargs": qlora(None, gradient_checkpointing_kwargs={"use_reentrant": False}),
+        "configured, caller's kwargs": qlora(
+            {"use_reentrant": False, "preserve_rng_state": False}, gradient_checkpointing_kwargs={"use_reentrant": True}
+        ),
+        "configured, use_gradient_checkpointing=False": qlora(
+            {"use_reentrant": False, "preserve_rng_state": False}, use_gradient_checkpointing=False
+        ),
+        "configured, not quantized": qlora({"use_reentrant": False, "preserve_rng_state": False}, quantized=False),
+    }
 
 
 def skipped_before(version: str):
@@ -663,6 +696,7 @@ CASES = {
     "own-checkpoint-function": own_checkpoint_function,
     "replaced-forward": replaced_forward,
     "fsdp2-activation-checkpointing": fsdp2_activation_checkpointing,
+    "kbit-prepare": kbit_prepare,
     "reentrant-round-trip-cycle": reentrant_round_trip_cycle,
     "checkpoint-function-args": checkpoint_function_args,
     "compiled-layer-forward": compiled_layer_forward,
