@@ -639,6 +639,9 @@ def training_arguments() -> dict:
                 for copied, value in copies.items()
             }
             records[name]["warnings"] = sorted({str(w.message) for w in caught if "checkpointing" in str(w.message)})
+    return records
+
+
 def trl_sft_checkpointing() -> dict:
     """trl's ``SFTTrainer`` as users run it where ``trl-selective-reaches-peft`` sits: ``selective``
     checkpointing on a plain model (trl's wrapper reached directly), and a LoRA model without it."""
