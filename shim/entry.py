@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .gating import Gate
     from .patch import Declared, Patch
     from .settings import Settings
-    from .wrapping import Layers
+    from .wrapping import Layers, Other
 
 
 # -- the states a patch can be in, as shim.status() and python -m shim report them -----------------
@@ -61,7 +61,7 @@ class Entry:
 
     __slots__ = (
         "declared", "patch", "state", "reason", "active", "choice", "suspended", "switch",
-        "gate", "notes", "layers", "done_modules",
+        "gate", "notes", "layers", "done_modules", "blocked_by", "retake",
     )  # fmt: skip
 
     def __init__(self, declared: Declared, active: bool) -> None:
@@ -74,6 +74,8 @@ class Entry:
         self.switch = Switch()
         self.gate: Gate | None = None  # decided on the first target import
         self.notes: list[str] = []  # what the status adds to the gate: targets left alone, late, ...
+        self.blocked_by: list[Other] = []  # other patchers' objects the patch could not apply to
+        self.retake = False
         self.layers: Layers | None = None  # what it wrapped and rebound (shim.wrapping.Layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
 
@@ -94,7 +96,7 @@ class Entry:
     # -- what the user asks ---------------------------------------------------------------------
 
     def activate(self) -> None:
-        self.active = True
+        self.active = self.retake = True  # retake: wrap again a target another patcher replaced
 
     def deactivate(self) -> None:
         """Take every layer off and start over at the next activation."""
@@ -140,13 +142,14 @@ class Entry:
     def advance(self, ready: Callable[[str], bool], settings: Settings, late: str | None = None) -> Progress:
         """Apply the targets whose module is ``ready`` (finished importing), or say why not.
         ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
+        retake, self.retake = self.retake, False
         if not self.active or self.settled(settings):
             return Progress(None)
         if self.choice == OFF:
             if self.state == DISABLED:  # after deactivate() / activate(): say why it stays off
                 self._set(DISABLED, OFF_BY_API)
             return Progress(None)
-        self._drop_stale()
+        self._drop_stale(retake)
         opted_out = settings.disable_all or self.name in settings.disabled
         if opted_out and self.choice != ENABLED and not self.layers:
             variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
@@ -205,9 +208,16 @@ class Entry:
         self.gate = gating.gate(self.declared, forced)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip, None  # outside its gate is never a problem, not even in strict mode
+        self.blocked_by = []
         resolution = gating.resolve(patch, module_names, self.gate)
         if resolution.problem is not None:
-            return self._problem(FAILED if resolution.problem.failed else SKIPPED, resolution.problem.why)
+            why = resolution.problem.why
+            from .wrapping import foreign_targets
+
+            self.blocked_by = foreign_targets(patch, module_names)  # whose object the probe refused
+            if self.blocked_by:
+                why += "; " + "; ".join(f"{o.target} holds {o.by}, another patcher's" for o in self.blocked_by)
+            return self._problem(FAILED if resolution.problem.failed else SKIPPED, why)
         self.notes.extend(resolution.notes)
         if self.layers is None:
             self.layers = Layers(patch.name)
@@ -224,6 +234,10 @@ class Entry:
             self.notes.append(late)
         self.done_modules.update(module_names)
         self._update_switch()
+        try:
+            self.others()  # another patcher's code under the new layers is said once, now
+        except Exception:  # naming it must never cost the user's import
+            log.debug("%s: could not look for other patchers", self.name, exc_info=True)
         return None
 
     @staticmethod
@@ -265,10 +279,11 @@ class Entry:
         self.done_modules.clear()
         self.notes.clear()
 
-    def _drop_stale(self) -> None:
-        """Forget layers whose target was replaced (a reload), so the patch applies to the new one."""
+    def _drop_stale(self, retake: bool) -> None:
+        """Forget layers whose target was replaced (a reload; another patcher's replacement only
+        when ``retake``: ``shim.activate()``), so the patch applies to the new one."""
         if self.layers:
-            self.done_modules -= self.layers.drop_stale()
+            self.done_modules -= self.layers.drop_stale(foreign_too=retake)
 
     def _update_switch(self) -> None:
         in_place = self.layers is not None and self.layers.in_place
@@ -289,9 +304,30 @@ class Entry:
                 f"{reason}; the import of {and_(gone)} failed: it applies again when {and_(gone)} {are} imported",
             )
         if stale:
+            from .wrapping import BYPASSED
+
+            specs = {f"{layer.module_name}:{layer.path}" for layer in stale}
+            named = [other.text() for other in self.others() if other.relation == BYPASSED and other.target in specs]
+            if named:
+                return FAILED, "; ".join(named) + "; shim.activate() wraps it again, on top"
             replaced = self.layers.describe(stale)
             return FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
         return APPLIED, reason
+
+    def others(self) -> list[Other]:
+        """Other patchers on this patch's targets (:func:`shim.wrapping.others_on`), each logged
+        the first time it is seen: a warning where it bypasses the fix."""
+        if not self.layers and not self.blocked_by:
+            return []
+        from .wrapping import BYPASSED
+
+        found = (self.layers.others() if self.layers else []) + self.blocked_by
+        for other in found:
+            if other not in _seen:
+                _seen.add(other)
+                level = logging.WARNING if other.relation == BYPASSED else logging.INFO
+                log.log(level, "%s: %s", self.name, other.text())
+        return found
 
     def _pending_shown(self, reason: str, forced: bool) -> tuple[str, str, str | None]:
         """A pending patch whose gate is not decided yet, as status and log show it: skipped outside
@@ -311,6 +347,9 @@ class Entry:
                     shown = self._pending_shown(reason, forced)[:2]
                 log.log(level, "%s: %s (%s)", self.name, *shown)
         self.state, self.reason = state, reason
+
+
+_seen: set[Other] = set()  # other patchers already logged (once per process each)
 
 
 def and_(names: list[str]) -> str:

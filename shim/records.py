@@ -28,7 +28,10 @@ class PatchStatus:
     ``effects`` counts the times the patch changed something in this process (calls it passed
     through do not count); ``last_effect`` describes the last one (``""`` while there is none).
     ``references`` are GitHub addresses and ``python -m shim explain <name>``, which prints the
-    bug's story (``docs/bugs.md``, shipped with the package).
+    bug's story (``docs/bugs.md``, shipped with the package). ``others``: another patcher's object
+    on one of the patch's targets, each as ``target``, ``relation`` (``bypassed``: the fix does not
+    run there; ``above``: it runs first, then the fix; ``below``: the fix runs first, then it),
+    ``by`` (``module:qualname``), ``file`` and ``text`` (the line the tables show).
     """
 
     name: str
@@ -41,6 +44,7 @@ class PatchStatus:
     references: tuple[str, ...] = ()
     effects: int = 0
     last_effect: str = ""
+    others: tuple[dict[str, str], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -51,6 +55,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
     declaration, and the effects it has had."""
     declared = entry.declared
     state, reason, installed = entry.view(forced)
+    others = tuple(other._asdict() | {"text": other.text()} for other in entry.others())
     try:
         patch: Patch | None = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
@@ -66,6 +71,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         references=links(patch.references) if patch else (),
         effects=runtime.count(declared.name),
         last_effect=runtime.last(declared.name),
+        others=others,
     )
 
 

@@ -396,6 +396,137 @@ def _remove_assigned(handle: AssignmentLayer) -> bool:
     return False
 
 
+# -- other patchers on the shim's targets -----------------------------------------------------------
+
+BYPASSED, ABOVE, BELOW = "bypassed", "above", "below"
+#: Where upstream's own functions live: anything else in a target's wrapper chain is another patcher's.
+_STACK = frozenset({"transformers", "trl", "peft", "accelerate", "deepspeed", "torch", "builtins", "functools"})
+
+
+class Other(NamedTuple):
+    """Another patcher's object on one of the shim's targets, and where it sits."""
+
+    target: str  # "module:path", or "module.attribute" for a name the shim rebound
+    relation: str  # BYPASSED (the fix does not run there), ABOVE (it runs first), BELOW (the fix runs first)
+    by: str  # "module:qualname" where it was defined
+    file: str  # its source file, or ""
+
+    def text(self) -> str:
+        by = f"{self.by} ({self.file})" if self.file else self.by
+        if self.relation == BYPASSED:
+            return f"{self.target} was replaced by {by}: the fix does not run there"
+        if self.relation == ABOVE:
+            return f"{self.target} is wrapped again by {by}: it runs first, then the fix"
+        return f"{self.target} held {by} when the shim wrapped it: the fix runs first, then it"
+
+
+def _definition(obj: object, home: str) -> tuple[str, str] | None:
+    """``(module:qualname, file)`` of where ``obj`` was written, or ``None`` for upstream's own: the
+    target's package (``home``), the libraries the shim patches, torch.
+    A ``functools.wraps`` copy keeps its own code and globals, a wrapt wrapper its wrapper function;
+    the standard library's decorators (``contextlib.contextmanager``) and the shim's own parts are
+    no other patcher."""
+    if obj is MISSING or getattr(obj, _DISPATCH_ATTRIBUTE, False):
+        return None
+    if isinstance(obj, wrapt.BaseObjectProxy):  # a wrapt wrapper: its wrapper function says whose
+        try:
+            obj = object.__getattribute__(obj, "_self_wrapper")
+        except AttributeError:
+            obj = type(obj)
+    obj = getattr(obj, "__func__", obj)
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        module = getattr(obj, "__globals__", {}).get("__name__", "?")
+        qualname, file = getattr(code, "co_qualname", code.co_name), code.co_filename
+    else:
+        kind = obj if isinstance(obj, type) else type(obj)
+        module, qualname, file = kind.__module__, kind.__qualname__, ""
+        if kind.__module__ == "builtins":  # a C function or slot wrapper: its own module, when it says
+            module = getattr(obj, "__module__", None) or "builtins"
+    top = module.partition(".")[0]
+    if top in sys.stdlib_module_names and top not in _STACK:  # a decorator: whose function it decorates
+        inner = getattr(obj, "__wrapped__", None)
+        return _definition(inner, home) if inner is not None and inner is not obj else None
+    if top == "shim":
+        return None
+    if top in _STACK or top == home:
+        if code is None or not file.startswith("<"):
+            return None
+        file = f"{file}: its source re-executed by another patcher"  # upstream's functions come from files
+    return f"{module}:{qualname}", file
+
+
+def _name(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _calls(outer: object, inner: object) -> bool:
+    """Whether ``outer`` holds ``inner`` where a hand-written wrapper keeps what it calls: a closure
+    cell or a default argument, of ``outer`` or of what it wraps (``contextlib.contextmanager``
+    keeps the generator function, which keeps ``inner``)."""
+    for entry in wrapt.wrapper_chain(outer):
+        function = getattr(entry, "__func__", entry)
+        held = list(getattr(function, "__defaults__", None) or ())
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+        if any(value is inner or getattr(value, "__func__", None) is inner for value in held):
+            return True
+    return False
+
+
+def others_on(layer: Layer, patch: str) -> list[Other]:
+    """Other patchers on one of patch ``patch``'s layers: above it, below it, or in its place."""
+    spec, home = f"{layer.module_name}:{layer.path}", layer.module_name.partition(".")[0]
+    try:
+        current = resolve(layer.module, layer.path)
+    except PathResolutionError:
+        return []
+    found: list[Other] = []
+    chain = list(wrapt.wrapper_chain(current))
+    if not any(entry is layer.handle for entry in chain) and not _calls(current, layer.handle):
+        where = _definition(current, home)
+        if where is not None:  # else upstream's own again (a reload): the engine's stale check says so
+            found.append(Other(spec, BYPASSED, *where))
+        return found
+    for entry in chain:
+        if entry is layer.handle or patch_name_of(entry) == patch:
+            break
+        if patch_name_of(entry) is None and (where := _definition(entry, home)) is not None:
+            if Other(spec, ABOVE, *where) not in found:
+                found.append(Other(spec, ABOVE, *where))
+    for entry in wrapt.wrapper_chain(layer.original):
+        if patch_name_of(entry) is None and (where := _definition(entry, home)) is not None:
+            found.append(Other(spec, BELOW, *where))
+            break  # the outermost one names it; what it wraps is its business
+    return found
+
+
+def foreign_targets(patch: Patch, module_names: list[str]) -> list[Other]:
+    """Targets of ``patch`` in ``module_names`` that hold another patcher's object, not upstream's
+    (said when the patch cannot apply to them: its probe refused what it found there)."""
+    found = []
+    for target in patch.targets:
+        module = sys.modules.get(target.module)
+        if target.module not in module_names or module is None or target.assign:
+            continue
+        try:
+            current = resolve(module, target.path)
+        except PathResolutionError:
+            continue
+        for entry in wrapt.wrapper_chain(current):  # under the layers of the shim's other patches
+            if patch_name_of(entry) is None:
+                where = _definition(entry, target.module.partition(".")[0])
+                if where is not None:
+                    found.append(Other(target.spec, BYPASSED, *where))
+                break
+    return found
+
+
 # -- what one patch has installed -------------------------------------------------------------------
 
 
@@ -425,7 +556,7 @@ class Resolved(NamedTuple):
 class Layers:
     """Everything one patch has installed: its layers and the consumer names it rebound."""
 
-    __slots__ = ("name", "installed", "replaced", "rebound")
+    __slots__ = ("name", "installed", "replaced", "rebound", "consumers")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -434,6 +565,7 @@ class Layers:
         # base of models built before, keeps its layer, working, until the patch comes off.
         self.replaced: list[Layer] = []
         self.rebound: list[tuple[Any, str, Any, Any]] = []  # (module, attribute, handle, original)
+        self.consumers: tuple[str, ...] = ()  # the patch's consumer module patterns
 
     def __bool__(self) -> bool:
         return bool(self.installed or self.rebound)
@@ -462,6 +594,7 @@ class Layers:
             self.installed.append(layer)
             added.append(layer)
         missed: list[str] = []
+        self.consumers = patch.consumers
         for layer in added if patch.consumers else ():
             rebound, failed = rebind(patch.consumers, layer.original, layer.handle)
             self.rebound.extend((module, attribute, layer.handle, layer.original) for module, attribute in rebound)
@@ -474,6 +607,11 @@ class Layers:
         for module, attribute, handle, original in self.rebound:
             unbind([(module, attribute)], handle, original)
         self.rebound.clear()
+        for layer in self.installed if self.consumers else ():
+            # Consumers that imported the name after the shim applied hold the layer without a
+            # rebinding to undo (peft's package re-exports its function that way): given back too.
+            copies, _failed = rebind(self.consumers, layer.handle, layer.original)
+            log.debug("%s: gave %d later copies of %s back", self.name, len(copies), layer.path)
         stuck = [problem for layer in reversed(self.installed) if (problem := remove(*layer[:3]))]
         for layer in self.replaced:  # from the old object it sits in, if that still holds it
             owner = layer.owner()
@@ -497,17 +635,74 @@ class Layers:
             except PathResolutionError:
                 stale.append(layer)
                 continue
-            if find_shim_wrapper(current, self.name) is not layer.handle:
+            if find_shim_wrapper(current, self.name) is not layer.handle and not _calls(current, layer.handle):
                 stale.append(layer)
         return stale
 
-    def drop_stale(self) -> set[str]:
-        """Set aside the layers whose target was replaced; returns their modules, to apply again."""
+    def drop_stale(self, foreign_too: bool) -> set[str]:
+        """Set aside the layers whose target was replaced; returns their modules, to apply again.
+        A target another patcher replaced stays as it is unless ``foreign_too`` (``shim.activate()``,
+        the explicit way to put the shim back on top): the shim never fights it on its own."""
         stale = self.stale() if self.installed else []
+        if not foreign_too:
+            bypassed = {other.target for layer in stale for other in others_on(layer, self.name)}
+            stale = [layer for layer in stale if f"{layer.module_name}:{layer.path}" not in bypassed]
         for layer in stale:
             self.installed.remove(layer)
             self.replaced.append(layer)
         return {layer.module_name for layer in stale}
+
+    def others(self) -> list[Other]:
+        """Other patchers on this patch's layers, and on the names it rebound (a rebound copy
+        replaced since is bypassed: calls through that name skip the fix)."""
+        found = [other for layer in self.installed for other in others_on(layer, self.name)]
+        for module, attribute, handle, _original in self.rebound:
+            current = getattr(module, attribute, None)
+            if current is handle:
+                continue
+            where = _definition(current, getattr(handle, "__module__", "").partition(".")[0])
+            if where is not None:
+                calls = any(e is handle for e in wrapt.wrapper_chain(current)) or _calls(current, handle)
+                relation = ABOVE if calls else BYPASSED
+                found.append(Other(f"{getattr(module, '__name__', module)}.{attribute}", relation, *where))
+        found += self._around()
+        return found
+
+    def _around(self) -> list[Other]:
+        """Consumer modules whose copy of a target wraps upstream's function, not the shim's layer
+        (put there before the shim applied, so the rebinding did not recognise it): calls through
+        that name skip the fix."""
+        import fnmatch
+
+        found = []
+        rebound = {(id(module), attribute) for module, attribute, *_ in self.rebound}
+        for layer in self.installed if self.consumers else ():
+            home = layer.module_name.partition(".")[0]
+            for module_name, module in list(sys.modules.items()):
+                if module is None or not any(fnmatch.fnmatchcase(module_name, p) for p in self.consumers):
+                    continue
+                value = getattr(module, "__dict__", {}).get(layer.attribute)
+                if (
+                    value is None
+                    or value is layer.handle
+                    or value is layer.original
+                    or (id(module), layer.attribute) in rebound
+                ):
+                    continue
+                if any(patch_name_of(entry) is not None for entry in wrapt.wrapper_chain(value)):
+                    continue  # the shim's own layers (this patch's, or another's on the same function)
+                if getattr(value, "__module__", None) == layer.module_name and _definition(value, home) is None:
+                    # upstream's own function, as the target held it before another patcher's
+                    # replacement, which the shim wrapped: calls through this name skip both
+                    file = "upstream's, from before another patcher replaced the target"
+                    found.append(Other(f"{module_name}.{layer.attribute}", BYPASSED, _name(value), file))
+                    continue
+                if not (any(e is layer.original for e in wrapt.wrapper_chain(value)) or _calls(value, layer.original)):
+                    continue  # another function of that name, not a copy of the target
+                where = _definition(value, home)
+                if where is not None and not _calls(value, layer.handle):
+                    found.append(Other(f"{module_name}.{layer.attribute}", BYPASSED, *where))
+        return found
 
     def describe(self, layers: list[Layer]) -> str:
         return ", ".join(f"{getattr(layer.module, '__name__', layer.module)}:{layer.path}" for layer in layers)

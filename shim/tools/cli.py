@@ -100,6 +100,7 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
         notes = [record.summary, f"reason: {record.reason}"]
         if record.last_effect:
             notes.append(f"last effect: {record.last_effect}")
+        notes += [f"other patcher: {other['text']}" for other in record.others]
         for note in notes:
             if wide:
                 out.append(f"    {note}")
@@ -150,7 +151,7 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
         rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
         print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))
         for finding in findings:
-            if finding.verdict in doctor.EXPLAINED:
+            if doctor.explained(finding.verdict):
                 detail = f"{finding.name}: {finding.verdict}: {finding.detail}"
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
     for note in doctor.notes():  # on stderr with --json: stdout stays the records

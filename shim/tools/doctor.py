@@ -24,11 +24,16 @@ NO_CHECK = "no self-check"
 NOT_INSTALLED = "not installed"
 ERROR = "check error"
 CANNOT_CHECK = "cannot check here"  # for a reason outside the patch (torch cannot be imported)
+BYPASSED = "bypassed by {}"  # another patcher replaced the shim's layer: the fix cannot run
 
 #: Verdicts that make ``doctor`` exit non-zero.
 FAILING = frozenset({NOT_FIXED, ERROR})
-#: Verdicts whose reason doctor prints below its table.
+#: Verdicts whose reason doctor prints below its table (and every "bypassed by ...").
 EXPLAINED = FAILING | {NOT_REPRODUCED, CANNOT_CHECK}
+
+
+def explained(verdict: str) -> bool:
+    return verdict in EXPLAINED or verdict.startswith(BYPASSED.format(""))
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,12 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
                 fixed = not upstream
     except Exception as exc:  # a broken check is a finding, not a crash of the whole report
         return Finding(name, installed, status.state, "-", "-", ERROR, repr(exc))
+    bypassed = [other for other in status.others if other["relation"] == "bypassed"]
+    if bypassed:  # checked as it runs here; the other patcher's code is what ran
+        patchers = sorted({other["by"].partition(":")[0].partition(".")[0] for other in bypassed})
+        verdict = NOT_FIXED if upstream else BYPASSED.format(", ".join(patchers))
+        detail = "; ".join(other["text"] for other in bypassed)
+        return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, detail)
     if status.state == APPLIED:
         verdict = FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
     elif status.state == DISABLED:

@@ -63,6 +63,9 @@ def report(records: Sequence[PatchStatus]) -> str:
     for label, names in groups.items():
         if names:
             lines += _wrap(f"{label}: {', '.join(names)}", width, "  ", "    ")
+    for r in records:  # another patcher on a target: said at exit too, where it decides what ran
+        for other in r.others:
+            lines += _wrap(f"{r.name}: other patcher: {other['text']}", width, "  ", "    ")
     return "\n".join(prefix + line for line in lines)
 
 

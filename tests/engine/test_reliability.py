@@ -407,7 +407,10 @@ def test_a_target_replaced_by_hand_is_reported_and_activate_wraps_it_again(fake_
     registry.activate()
     module.f = lambda x: x  # someone else's assignment replaces our layer
     record = next(s for s in registry.status() if s.name == "demo")
-    assert record.state == FAILED and "was replaced after the shim wrapped it" in record.reason
+    assert record.state == FAILED
+    assert record.reason.startswith(f"{pkg}.target:f was replaced by tests.engine.test_reliability:test_a_target_")
+    assert "the fix does not run there" in record.reason  # who replaced it, where: another patcher
+    assert [(o["relation"], o["file"]) for o in record.others] == [("bypassed", __file__)]
     registry.activate()
     assert module.f(1) == ("demo", 1)
 
