@@ -376,7 +376,7 @@ def test_axolotl_offload_wrapper_fails_on_installed_transformers_without_the_shi
             print("AttributeError", error)
         assert "shim" not in __import__("sys").modules
     """
-    assert "has no attribute '__self__'" in run_python(code).stdout
+    assert "has no attribute '__self__'" in run_python(code, torch_first=True).stdout
 
 
 def test_axolotl_prepare_model_for_kbit_training_reexecutes_a_copy(patched, spy):

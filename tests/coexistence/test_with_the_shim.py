@@ -145,6 +145,27 @@ def test_a_patcher_beside_the_shims_targets_is_not_named(patcher):
         assert [record.name for record in shim.status() if record.others] == []
 
 
+def test_axolotls_offloading_checkpoint_runs_with_the_shim():
+    """Beside the targets, and helped: axolotl's checkpoint function looks for the layer as
+    ``func.__self__``, which transformers 5.23+ no longer hands over (``test_patchers.py`` shows the
+    AttributeError without the shim); ``checkpoint-function-finds-layer`` hands it over again."""
+    import torch
+
+    from shim.selfcheck.models import tiny_llama
+
+    def forward():
+        model = tiny_llama(layers=2).train()
+        model.gradient_checkpointing_enable()
+        model(torch.randint(0, 60, (1, 6)))
+
+    with applied(patchers.axolotl_modeling_utils_checkpoint, before_the_shim=False) as handle:
+        with shim.disabled("checkpoint-function-finds-layer"), pytest.raises(AttributeError, match="__self__"):
+            forward()
+        calls = handle.calls
+        forward()
+    assert handle.calls - calls == 2  # once per layer, each finding its layer
+
+
 def test_the_other_patcher_is_logged_once_and_shown_by_the_command_line(caplog):
     from shim.tools.cli import status_table
 
