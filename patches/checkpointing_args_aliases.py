@@ -143,6 +143,8 @@ def _self_check() -> bool:
 
     from transformers import TrainingArguments
 
+    if _probe(TrainingArguments) is not None:
+        return False  # one name per setting before transformers 5.23: no alias to lose
     with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = TrainingArguments(output_dir=directory, report_to=[])

@@ -98,8 +98,11 @@ def _probe(original) -> str | None:
 def _self_check() -> bool:
     """True when, after trl's installer ran on a PEFT model, the Trainer's enable gives the layers no
     trl context function."""
+    import importlib.util
     import warnings
 
+    if importlib.util.find_spec("trl.models.selective_activation_checkpointing") is None:
+        return False  # a trl without selective checkpointing: nothing of it to lose
     from peft import get_peft_model
     from trl.models.selective_activation_checkpointing import enable_selective_activation_checkpointing
 

@@ -45,7 +45,8 @@ class Cell:
 #: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability). tf5.25 is the default stack with the
 #: newest transformers, built without ``kernels`` (5.25 requires kernels>=0.19.1, which the package index lacks), and
 #: accelerate1.16 the default stack with the newest accelerate: doctor and the tests of the one patch on accelerate
-#: (fsdp2-checkpoint-rng-state, whose gate accelerate>=1.8 is open above).
+#: (fsdp2-checkpoint-rng-state, whose gate accelerate>=1.8 is open above). edge-trl1.15 is the default stack with trl 1.15.0,
+#: the first trl with selective activation checkpointing (trl-selective-reaches-peft's gate).
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
@@ -58,6 +59,7 @@ CELLS = (
     Cell("tf5.20-trl1.12"),
     Cell("edge-tf5.22", suite=False),
     Cell("edge-tf5.23", suite=False),
+    Cell("edge-trl1.15", suite=False),
     Cell("peft0.20"),
     Cell(
         "tf5.25",
