@@ -20,7 +20,7 @@
   function of one's own that does not look for its layer (reentrant and not): one training step.
 - ``replaced-forward``: a decoder-layer class whose ``forward`` was replaced by a function calling the
   original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
-- ``training-arguments``: ``TrainingArguments`` parsed with the old names, the new ones and neither,
+- ``training-arguments`` (from 5.23): ``TrainingArguments`` parsed with the old names, the new ones and neither,
   then deep-copied, pickled, copied with ``dataclasses.replace`` of a new name, rebuilt from
   ``to_dict()``: each one's checkpointing fields, and the checkpointing warnings.
 - ``fsdp2-activation-checkpointing``: accelerate's ``fsdp2_apply_ac`` (one process, a stand-in
@@ -609,6 +609,10 @@ def training_arguments() -> dict:
     with, and the checkpointing warnings upstream gives."""
     import dataclasses
     import warnings
+
+    skipped = skipped_before("5.23")  # the new names, with the old ones as aliases, exist from 5.23
+    if skipped:
+        return skipped
 
     fields = ("activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing")
     fields += ("gradient_checkpointing_kwargs", "learning_rate")
