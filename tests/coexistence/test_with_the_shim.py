@@ -138,11 +138,15 @@ def test_the_status_names_the_other_patcher_and_the_fix_holds_where_it_is_not_by
     ],
     ids=lambda patcher: patcher.__name__,
 )
-def test_a_patcher_beside_the_shims_targets_is_not_named(patcher):
+@pytest.mark.parametrize("order", ["after the shim", "before the shim"])
+def test_a_patcher_beside_the_shims_targets_is_not_named(patcher, order):
     """They patch the same classes and functions the layers run through, not a target of the shim:
-    nothing to name (docs/coexistence.md says what each does to the fixes)."""
-    with applied(patcher, before_the_shim=False):
-        assert [record.name for record in shim.status() if record.others] == []
+    nothing to name, and no patch fails beside them (docs/coexistence.md says what each does to the
+    fixes)."""
+    with applied(patcher, before_the_shim=order == "before the shim"):
+        records = shim.status()
+        assert [record.name for record in records if record.others] == []
+        assert [record.name for record in records if record.state == "failed"] == []
 
 
 def test_axolotls_offloading_checkpoint_runs_with_the_shim():
