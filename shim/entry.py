@@ -235,7 +235,9 @@ class Entry:
         self.done_modules.update(module_names)
         self._update_switch()
         try:
-            self.others()  # another patcher's code under the new layers is said once, now
+            # Another patcher's code under the new layers is said once, now; the consumer modules
+            # are looked at when a status is asked for, not on the import of a target.
+            self.others(consumers=False)
         except Exception:  # naming it must never cost the user's import
             log.debug("%s: could not look for other patchers", self.name, exc_info=True)
         return None
@@ -314,14 +316,14 @@ class Entry:
             return FAILED, f"{replaced} was replaced after the shim wrapped it; shim.activate() wraps it again"
         return APPLIED, reason
 
-    def others(self) -> list[Other]:
-        """Other patchers on this patch's targets (:func:`shim.wrapping.others_on`), each logged
-        the first time it is seen: a warning where it bypasses the fix."""
+    def others(self, consumers: bool = True) -> list[Other]:
+        """Other patchers on this patch's targets (:meth:`shim.wrapping.Layers.others`), each
+        logged the first time it is seen: a warning where it bypasses the fix."""
         if not self.layers and not self.blocked_by:
             return []
         from .wrapping import BYPASSED
 
-        found = (self.layers.others() if self.layers else []) + self.blocked_by
+        found = (self.layers.others(consumers) if self.layers else []) + self.blocked_by
         for other in found:
             if other not in _seen:
                 _seen.add(other)

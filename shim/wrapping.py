@@ -652,10 +652,13 @@ class Layers:
             self.replaced.append(layer)
         return {layer.module_name for layer in stale}
 
-    def others(self) -> list[Other]:
-        """Other patchers on this patch's layers, and on the names it rebound (a rebound copy
-        replaced since is bypassed: calls through that name skip the fix)."""
+    def others(self, consumers: bool = True) -> list[Other]:
+        """Other patchers on this patch's layers, and (``consumers``) on the names it rebound (a
+        rebound copy replaced since is bypassed: calls through that name skip the fix) and the
+        consumer modules' other copies, which takes a walk over ``sys.modules``."""
         found = [other for layer in self.installed for other in others_on(layer, self.name)]
+        if not consumers:
+            return found
         for module, attribute, handle, _original in self.rebound:
             current = getattr(module, attribute, None)
             if current is handle:
