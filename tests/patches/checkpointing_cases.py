@@ -4,6 +4,7 @@ import functools
 import inspect
 import warnings
 
+import torch
 import transformers
 from packaging.version import Version
 
@@ -61,6 +62,20 @@ def checkpoint_kwargs(model) -> dict:
 
 def layer_flags(model) -> list:
     return [layer.gradient_checkpointing for layer in model.model.layers]
+
+
+class TrainerRows(torch.utils.data.Dataset):
+    """``rows`` token rows for a ``Trainer`` step on the tiny Llama (ids inside its vocabulary)."""
+
+    def __init__(self, rows: int = 4) -> None:
+        self.rows = rows
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, index):
+        ids = torch.arange(index, index + 6) % 60 + 1
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def quietly(function, *args, **kwargs):

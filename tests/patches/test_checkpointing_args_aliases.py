@@ -7,13 +7,12 @@ import inspect
 import warnings
 
 import pytest
-import torch
 import transformers
 from packaging.version import Version
 
 import shim
 from shim.selfcheck.models import lora_config, tiny_llama
-from tests.patches.checkpointing_cases import quietly
+from tests.patches.checkpointing_cases import TrainerRows, quietly
 
 NAME = "checkpointing-args-aliases"
 pytestmark = pytest.mark.skipif(
@@ -21,15 +20,6 @@ pytestmark = pytest.mark.skipif(
     reason="version rule: activation_checkpointing* exist, with the old names as aliases, from transformers 5.23",
 )
 SET_LATER = {"use_reentrant": False, "preserve_rng_state": False}
-
-
-class Rows(torch.utils.data.Dataset):
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, index):
-        ids = torch.arange(index, index + 6) % 60 + 1
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def arguments(directory, cls=transformers.TrainingArguments, **fields):
@@ -52,7 +42,7 @@ def checkpoint_calls(model, args, monkeypatch) -> list[dict]:
         return real(function, *positional, **kwargs)
 
     monkeypatch.setattr(modeling_utils, "checkpoint", recording)  # what the enable call binds its partial to
-    quietly(transformers.Trainer(model=model, args=args, train_dataset=Rows()).train)
+    quietly(transformers.Trainer(model=model, args=args, train_dataset=TrainerRows(2)).train)
     return calls
 
 

@@ -12,6 +12,7 @@ from shim.selfcheck.models import tiny_llama_config
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import (
     TRANSFORMERS,
+    TrainerRows,
     checkpoint_kwargs,
     configure,
     layer_flags,
@@ -157,15 +158,6 @@ def override_class(shape: str):
     return Forwarding
 
 
-class TinyDataset(torch.utils.data.Dataset):
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, index):
-        ids = torch.arange(index, index + 6) % 60 + 1
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-
-
 def train_one_step(model, tmp_path, kwargs):
     fields = {f.name for f in __import__("dataclasses").fields(transformers.TrainingArguments)}
     prefix = "activation" if "activation_checkpointing" in fields else "gradient"
@@ -178,7 +170,7 @@ def train_one_step(model, tmp_path, kwargs):
         use_cpu=True,
         **{f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": kwargs},
     )
-    quietly(transformers.Trainer(model=model, args=args, train_dataset=TinyDataset()).train)
+    quietly(transformers.Trainer(model=model, args=args, train_dataset=TrainerRows()).train)
 
 
 TRAINER_KWARGS = {
