@@ -264,19 +264,27 @@ def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[An
 SFT_WORDS = "<pad> <unk> <bos> <eos> hi how are you what is your name i am fine my cat the dog a mat".split()
 
 
+def word_tokenizer(words: list[str]) -> Any:
+    """A word-level tokenizer of ``words`` split on whitespace, built in code (nothing downloaded);
+    ``words`` starts with ``<pad> <unk> <bos> <eos>``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
 def sft_inputs(layers: int = 2) -> tuple[Any, Any, Any]:
     """What a trl ``SFTTrainer`` needs, built in code: a word-level tokenizer of :data:`SFT_WORDS`, a
     tiny Llama sized to it (seeded: two builds are equal) and a two-row ``datasets.Dataset`` of text."""
     import datasets  # type: ignore[import-untyped]
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(SFT_WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
-    )
+    tokenizer = word_tokenizer(SFT_WORDS)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(
         tiny_llama_config(

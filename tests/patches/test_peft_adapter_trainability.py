@@ -361,15 +361,12 @@ def test_trl_dpo_trainer_reference_adapter_trains_default_only(saved, tmp_path):
     one optimizer step moves the ``default`` adapter and leaves ``ref`` as it was."""
     datasets = pytest.importorskip("datasets")
     pytest.importorskip("trl")
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from trl import DPOConfig, DPOTrainer
 
-    words = "<pad> <unk> <bos> <eos> hi how are you what is your name i am fine my cat the dog a mat".split()
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
-    )
+    from shim.selfcheck.models import SFT_WORDS as words
+    from shim.selfcheck.models import word_tokenizer
+
+    tokenizer = word_tokenizer(words)
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(
         tiny_llama_config(vocab_size=len(words), pad_token_id=0, bos_token_id=2, eos_token_id=3)
