@@ -28,7 +28,7 @@ import threading
 import types
 import weakref
 
-from shim import Patch, record_effect, switch_of
+from shim import Patch, record_effect, switch_of, written_by
 
 from . import _checkpoint_path
 from ._checkpointing import MISSING
@@ -149,9 +149,10 @@ def _judge(cls) -> None:
             _rewrap(cls, forward, own, layers)
             record_effect(
                 NAME,
-                "%s.forward was replaced after transformers wrapped it for checkpointing, which turned "
-                "checkpointing off for its layers; the shim wrapped the replacement again",
+                "%s.forward was replaced by %s after transformers wrapped it for checkpointing, which "
+                "turned checkpointing off for its layers; the shim wrapped the replacement again",
                 cls.__name__,
+                written_by(forward),
             )
         if len(_judged) > 1024:
             _judged.clear()

@@ -12,7 +12,8 @@ outermost one does, so an ancestor's ``hasattr`` sees only its own. A forwarding
 own classes this way also gets its own ``applied_pre_backward_ref_cnt`` of 0.
 
 Limits: only ``_register_deepspeed_module`` is covered; a module that already had its own classes
-keeps them.
+keeps them. axolotl fixes the same bug for torch's ``CheckpointWrapper`` alone (its ``ds_*``
+attributes go to the wrapped module); both can be on, and status names it.
 
 Full story, versions measured and references: docs/bugs.md#zero3-delegating-wrapper-hooks
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from shim import Patch, Target, record_effect
+from shim import Patch, SameFix, Target, record_effect
 
 from ._arguments import argument, leading_parameters
 
@@ -122,6 +123,13 @@ PATCH = Patch(
             "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload._register_deepspeed_module",
             _register_deepspeed_module,
             probe=lambda original: leading_parameters(original, ("self", "module")),
+        ),
+    ),
+    same_fix=(
+        SameFix(
+            "torch.distributed.algorithms._checkpoint.checkpoint_wrapper:CheckpointWrapper.__setattr__",
+            mark="_axolotl_setattr_patched",  # axolotl's monkeypatch/deepspeed_utils.py sets it
+            covers="modules inside torch's CheckpointWrapper (the shim's fix covers every forwarding wrapper)",
         ),
     ),
     references=(

@@ -4,7 +4,9 @@
 # with uv like .venv (scripts/_venv.sh; left as they are while their constraints and the scripts are
 # unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test) and .venvs/e2e-ds0.19.3
 # (constraints/e2e-ds0.19.3.txt, where DeepSpeed has its own fixes: doctor's verdict on both DeepSpeed
-# patches, and ZeRO-3 LoRA training with the patches out of their gate, as without checkpointing).
+# patches, and ZeRO-3 LoRA training with the patches out of their gate, as without checkpointing); and
+# .venvs/e2e-liger (constraints/e2e-liger.txt: the default stack with the real liger-kernel and the
+# triton it imports, ~1 GB installed; tests/e2e/test_liger_kernel.py, no DeepSpeed).
 # Usage: bash scripts/e2e.sh [pytest args]      (E2E_VENV=path to use another venv for the first one)
 #   E2E_ONLY_SETUP=1: build the two environments and run nothing
 set -euo pipefail
@@ -13,8 +15,9 @@ source scripts/_venv.sh
 
 venv_tool
 
-build_cell() {  # build_cell VENV CONSTRAINTS
+build_cell() {  # build_cell VENV CONSTRAINTS PACKAGE...   (the stack's packages, beside the shim)
     local venv=$1 constraints=$2 stamp
+    shift 2
     stamp=$(venv_stamp "$constraints" pyproject.toml scripts/e2e.sh scripts/_venv.sh scripts/pipconf.py)
     if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_BUILD" ]; then
         return 0
@@ -26,8 +29,8 @@ build_cell() {  # build_cell VENV CONSTRAINTS
     # compiled at install; the CPU comm op is JIT-built on first use.
     local isolation=(--no-build-isolation-package deepspeed)
     [ -n "$SHIM_UV" ] || isolation=()  # pip: as before, an isolated build (it downloads a torch for it)
-    DS_BUILD_OPS=0 venv_install "$venv" "${isolation[@]}" -e . \
-        deepspeed trl transformers peft accelerate datasets tokenizers pytest pytest-xdist -c "$constraints"
+    DS_BUILD_OPS=0 venv_install "$venv" "${isolation[@]}" -e . "$@" \
+        trl transformers peft accelerate datasets tokenizers pytest pytest-xdist -c "$constraints"
     check_torch "$venv"
     venv_done "$venv" "$stamp"
 }
@@ -35,7 +38,13 @@ build_cell() {  # build_cell VENV CONSTRAINTS
 run_cell() {  # run_cell VENV PYTEST-ARGS...
     local venv=$1
     shift
-    "$venv/bin/python" -c "import deepspeed, torch, transformers, trl; print('e2e: torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+    "$venv/bin/python" -c "from importlib.metadata import PackageNotFoundError, version
+def has(d):
+    try:
+        return f'{d} {version(d)}'
+    except PackageNotFoundError:
+        return None
+print('e2e:', ' | '.join(filter(None, map(has, ('torch', 'deepspeed', 'liger-kernel', 'transformers', 'trl')))))"
     # The JIT-built op lives with the venv: built once per venv, nothing written to $HOME.
     # -n 0: the runs are two-rank jobs with timeouts of their own, one at a time.
     TORCH_EXTENSIONS_DIR="$(cd "$venv" && pwd)/torch_extensions" \
@@ -43,8 +52,11 @@ run_cell() {  # run_cell VENV PYTEST-ARGS...
 }
 
 first=${E2E_VENV:-.venvs/e2e}
-build_cell "$first" constraints/e2e.txt
-build_cell .venvs/e2e-ds0.19.3 constraints/e2e-ds0.19.3.txt
+build_cell "$first" constraints/e2e.txt deepspeed
+build_cell .venvs/e2e-ds0.19.3 constraints/e2e-ds0.19.3.txt deepspeed
+build_cell .venvs/e2e-liger constraints/e2e-liger.txt liger-kernel triton
 [ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0
-run_cell "$first" tests/e2e "$@"
-run_cell .venvs/e2e-ds0.19.3 tests/e2e -k "zero3_doctor_self_checks or zero3_default_checkpointing_trains" "$@"
+run_cell "$first" tests/e2e --ignore tests/e2e/test_liger_kernel.py "$@"
+run_cell .venvs/e2e-ds0.19.3 tests/e2e --ignore tests/e2e/test_liger_kernel.py \
+    -k "zero3_doctor_self_checks or zero3_default_checkpointing_trains" "$@"
+run_cell .venvs/e2e-liger tests/e2e/test_liger_kernel.py "$@"

@@ -17,10 +17,12 @@ Public API::
     shim.wrappers("transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable")
                                       # the shim's layers on a target: [(patch name, layer)], outermost first
 
-For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``,
+For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``, ``shim.SameFix``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
 ``shim.switch_of(name)``, the live on/off switch of a patch, for a hook it installs outside its
-wrappers. ``shim.selfcheck.models`` builds the tiny models of self-checks, tests and benchmarks.
+wrappers; ``shim.written_by(obj)``, where another patcher's object was written, and
+``shim.notice_others()``, to log other patchers on the shim's targets at a moment of the patch's.
+``shim.selfcheck.models`` builds the tiny models of self-checks, tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "PatchError",
     "PatchStatus",
     "Registry",
+    "SameFix",
     "ShimWarning",
     "Target",
     "activate",
@@ -52,6 +55,7 @@ __all__ = [
     "disable",
     "disabled",
     "enable",
+    "notice_others",
     "record_effect",
     "register",
     "registry",
@@ -59,11 +63,12 @@ __all__ = [
     "status",
     "switch_of",
     "wrappers",
+    "written_by",
 ]
 
 # Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
 # which only a patch that applies, or a status, has to pay for.
-_LAZY = {"Patch": "patch", "Target": "patch", "PatchStatus": "records"}
+_LAZY = {"Patch": "patch", "Target": "patch", "SameFix": "patch", "PatchStatus": "records", "written_by": "wrapping"}
 
 
 def __getattr__(name: str) -> object:
@@ -105,6 +110,7 @@ disable = registry.disable
 disabled = registry.disabled
 register = registry.register
 switch_of = registry.switch_of
+notice_others = registry.notice_others
 
 if settings.flag("SHIM_REPORT"):
     from .tools.report import report_at_exit

@@ -317,13 +317,16 @@ class Entry:
         return APPLIED, reason
 
     def others(self, consumers: bool = True) -> list[Other]:
-        """Other patchers on this patch's targets (:meth:`shim.wrapping.Layers.others`), each
+        """Other patchers on this patch's targets (:meth:`shim.wrapping.Layers.others`), and those
+        known to fix the same bug beside them (``Patch.same_fix``) while the patch is on, each
         logged the first time it is seen: a warning where it bypasses the fix."""
         if not self.layers and not self.blocked_by:
             return []
-        from .wrapping import BYPASSED
+        from .wrapping import BYPASSED, same_fixes
 
         found = (self.layers.others(consumers) if self.layers else []) + self.blocked_by
+        if self.layers and self.patch is not None:
+            found += same_fixes(self.patch)
         for other in found:
             if other not in _seen:
                 _seen.add(other)

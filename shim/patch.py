@@ -46,8 +46,22 @@ class TargetRequirement:
         return f"<TargetRequirement({str(self)!r})>"
 
 
+class _Spec:
+    """A ``spec`` written ``"package.module:attribute.path"``, and its two halves."""
+
+    spec: str
+
+    @property
+    def module(self) -> str:
+        return self.spec.partition(":")[0]
+
+    @property
+    def path(self) -> str:
+        return self.spec.partition(":")[2]
+
+
 @dataclass(frozen=True)
-class Target:
+class Target(_Spec):
     """One attribute to wrap, written ``"package.module:attribute.path"``.
 
     ``requires`` narrows where this target is needed, as a requirement such as
@@ -86,13 +100,24 @@ class Target:
                     f"target {self.spec!r}: {self.requires!r} is not a requirement like 'trl>=0.26'"
                 ) from exc
 
-    @property
-    def module(self) -> str:
-        return self.spec.partition(":")[0]
 
-    @property
-    def path(self) -> str:
-        return self.spec.partition(":")[2]
+@dataclass(frozen=True)
+class SameFix(_Spec):
+    """Another patcher known to fix the same bug its own way, told by the mark it leaves.
+
+    ``spec`` (``"package.module:Class.attribute"``) is where it puts its code; it is named once
+    ``Class`` has a true attribute ``mark`` and ``spec`` holds code that is not upstream's.
+    ``covers`` says for what its fix holds (the shim's may cover more). Looked at when a status is
+    asked for, never imported: a module nobody imported has nobody's fix in it.
+    """
+
+    spec: str
+    mark: str
+    covers: str
+
+    def __post_init__(self) -> None:
+        if not _TARGET.match(self.spec) or "." not in self.path:
+            raise ValueError(f"same fix {self.spec!r} is not of the form 'package.module:Class.attribute'")
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,8 @@ class Patch:
     (for modules that did ``from target import name`` before the shim could wrap it).
     ``after`` names the patches whose layers this one's sit outside of where both wrap the same
     target: the stacking order, explicit wherever two patches share a target.
+    ``same_fix`` lists other patchers known to fix the same bug (:class:`SameFix`): status names
+    them where they are on.
     """
 
     name: str
@@ -118,6 +145,7 @@ class Patch:
     self_check: Callable[[], bool] | None = None
     consumers: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    same_fix: tuple[SameFix, ...] = ()
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +155,8 @@ class Patch:
             raise ValueError(f"patch {self.name!r} has no targets")
         if isinstance(self.after, str) or not all(PATCH_NAME.match(name) for name in self.after):
             raise ValueError(f"patch {self.name!r}: after= must be a tuple of patch names, not {self.after!r}")
+        if not all(isinstance(same, SameFix) for same in self.same_fix):
+            raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))
         except InvalidSpecifier as exc:

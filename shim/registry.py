@@ -145,6 +145,18 @@ class Registry:
             forced = settings.read(self._entries).forced
             return [status_of(entry, entry.name in forced) for entry in self._entries.values()]
 
+    def notice_others(self) -> None:
+        """Look for other patchers on the applied patches' targets now and log each new one once
+        (a warning where it bypasses a fix), without the walk over ``sys.modules`` a status makes.
+        For a moment that is not on a hot path (a model's checkpointing enable); never raises."""
+        try:
+            with self._lock:
+                for entry in self._entries.values():
+                    if entry.layers:
+                        entry.others(consumers=False)
+        except Exception:  # naming another patcher must never cost the user's training
+            log.debug("could not look for other patchers", exc_info=True)
+
     # -- applying -------------------------------------------------------------------------------
 
     def _entry(self, name: str) -> Entry:

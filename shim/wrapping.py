@@ -398,7 +398,7 @@ def _remove_assigned(handle: AssignmentLayer) -> bool:
 
 # -- other patchers on the shim's targets -----------------------------------------------------------
 
-BYPASSED, ABOVE, BELOW = "bypassed", "above", "below"
+BYPASSED, ABOVE, BELOW, SAME_FIX = "bypassed", "above", "below", "same fix"
 #: Where upstream's own functions live: anything else in a target's wrapper chain is another patcher's.
 _STACK = frozenset({"transformers", "trl", "peft", "accelerate", "deepspeed", "torch", "builtins", "functools"})
 
@@ -407,12 +407,16 @@ class Other(NamedTuple):
     """Another patcher's object on one of the shim's targets, and where it sits."""
 
     target: str  # "module:path", or "module.attribute" for a name the shim rebound
-    relation: str  # BYPASSED (the fix does not run there), ABOVE (it runs first), BELOW (the fix runs first)
+    relation: str  # BYPASSED (the fix does not run there), ABOVE (it runs first), BELOW (the fix runs first),
+    # or SAME_FIX (beside the targets: it fixes the same bug its own way)
     by: str  # "module:qualname" where it was defined
     file: str  # its source file, or ""
+    covers: str = ""  # SAME_FIX: for what its fix holds
 
     def text(self) -> str:
         by = f"{self.by} ({self.file})" if self.file else self.by
+        if self.relation == SAME_FIX:
+            return f"{self.target} holds {by}, which fixes the same bug for {self.covers}: both can be on"
         if self.relation == BYPASSED:
             return f"{self.target} was replaced by {by}: the fix does not run there"
         if self.relation == ABOVE:
@@ -422,29 +426,12 @@ class Other(NamedTuple):
 
 def _definition(obj: object, home: str) -> tuple[str, str] | None:
     """``(module:qualname, file)`` of where ``obj`` was written, or ``None`` for upstream's own: the
-    target's package (``home``), the libraries the shim patches, torch.
-    A ``functools.wraps`` copy keeps its own code and globals, a wrapt wrapper its wrapper function;
-    the standard library's decorators (``contextlib.contextmanager``) and the shim's own parts are
-    no other patcher."""
+    target's package (``home``), the libraries the shim patches, torch (named as :func:`_code_of`
+    finds them). The standard library's decorators (``contextlib.contextmanager``) and the shim's
+    own parts are no other patcher."""
     if obj is MISSING or getattr(obj, _DISPATCH_ATTRIBUTE, False):
         return None
-    if isinstance(obj, wrapt.BaseObjectProxy):  # a wrapt wrapper: its wrapper function says whose
-        try:
-            obj = object.__getattribute__(obj, "_self_wrapper")
-        except AttributeError:
-            obj = type(obj)
-    obj = getattr(obj, "__func__", obj)
-    while isinstance(obj, functools.partial):
-        obj = obj.func
-    code = getattr(obj, "__code__", None)
-    if code is not None:
-        module = getattr(obj, "__globals__", {}).get("__name__", "?")
-        qualname, file = getattr(code, "co_qualname", code.co_name), code.co_filename
-    else:
-        kind = obj if isinstance(obj, type) else type(obj)
-        module, qualname, file = kind.__module__, kind.__qualname__, ""
-        if kind.__module__ == "builtins":  # a C function or slot wrapper: its own module, when it says
-            module = getattr(obj, "__module__", None) or "builtins"
+    obj, code, module, qualname, file = _code_of(obj)
     top = module.partition(".")[0]
     if top in sys.stdlib_module_names and top not in _STACK:  # a decorator: whose function it decorates
         inner = getattr(obj, "__wrapped__", None)
@@ -456,6 +443,37 @@ def _definition(obj: object, home: str) -> tuple[str, str] | None:
             return None
         file = f"{file}: its source re-executed by another patcher"  # upstream's functions come from files
     return f"{module}:{qualname}", file
+
+
+def _code_of(obj: object) -> tuple[object, Any, str, str, str]:
+    """``(function, code, module, qualname, file)`` of the code ``obj`` runs: a wrapt wrapper's
+    wrapper function, a method's or partial's function; a ``functools.wraps`` copy by its own code
+    and globals, not the names it copied. ``code`` is ``None`` (and ``file`` ``""``) for what has
+    none: a class, a C function."""
+    if isinstance(obj, wrapt.BaseObjectProxy):  # a wrapt wrapper: its wrapper function says whose
+        try:
+            obj = object.__getattribute__(obj, "_self_wrapper")
+        except AttributeError:
+            obj = type(obj)
+    obj = getattr(obj, "__func__", obj)
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        module = getattr(obj, "__globals__", {}).get("__name__", "?")
+        return obj, code, module, getattr(code, "co_qualname", code.co_name), code.co_filename
+    kind = obj if isinstance(obj, type) else type(obj)
+    module = kind.__module__
+    if module == "builtins":  # a C function or slot wrapper: its own module, when it says
+        module = getattr(obj, "__module__", None) or "builtins"
+    return obj, None, module, kind.__qualname__, ""
+
+
+def written_by(obj: object) -> str:
+    """Where the code ``obj`` runs was written: ``module:qualname (file)``, as status names another
+    patcher (for an effect that says who replaced something the shim does not wrap)."""
+    _, _, module, qualname, file = _code_of(obj)
+    return f"{module}:{qualname} ({file})" if file else f"{module}:{qualname}"
 
 
 def _name(obj: object) -> str:
@@ -503,6 +521,27 @@ def others_on(layer: Layer, patch: str) -> list[Other]:
         if patch_name_of(entry) is None and (where := _definition(entry, home)) is not None:
             found.append(Other(spec, BELOW, *where))
             break  # the outermost one names it; what it wraps is its business
+    return found
+
+
+def same_fixes(patch: Patch) -> list[Other]:
+    """The patchers of ``patch.same_fix`` that are on: the owner carries the mark and the attribute
+    holds code that is not upstream's. Modules nobody imported are not looked into."""
+    found = []
+    for same in patch.same_fix:
+        module = sys.modules.get(same.module)
+        if module is None:
+            continue
+        try:
+            owner = resolve(module, same.path.rpartition(".")[0])
+            current = resolve(module, same.path)
+        except PathResolutionError:
+            continue
+        if not getattr(owner, same.mark, False):
+            continue
+        where = _definition(current, same.module.partition(".")[0])
+        if where is not None:
+            found.append(Other(same.spec, SAME_FIX, *where, covers=same.covers))
     return found
 
 

@@ -151,8 +151,7 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
         rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
         print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))
         for finding in findings:
-            if doctor.explained(finding.verdict):
-                detail = f"{finding.name}: {finding.verdict}: {finding.detail}"
+            for detail in doctor.below_table(finding):
                 print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
     for note in doctor.notes():  # on stderr with --json: stdout stays the records
         print(

@@ -36,6 +36,13 @@ def explained(verdict: str) -> bool:
     return verdict in EXPLAINED or verdict.startswith(BYPASSED.format(""))
 
 
+def below_table(finding: Finding) -> list[str]:
+    """What doctor prints below its table for ``finding``: the reason of a verdict that needs one,
+    then every other patcher on the patch's targets."""
+    lines = [f"{finding.verdict}: {finding.detail}"] if explained(finding.verdict) else []
+    return [f"{finding.name}: {line}" for line in lines + [f"other patcher: {text}" for text in finding.others]]
+
+
 @dataclass(frozen=True)
 class Finding:
     name: str
@@ -45,6 +52,7 @@ class Finding:
     bug_with_shim: str
     verdict: str
     detail: str
+    others: tuple[str, ...] = ()  # other patchers that run beside the fix, or fix the same bug (status' text)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -112,7 +120,8 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
         verdict = OPTED_OUT
     else:
         verdict = NOT_FIXED if upstream else NOT_AFFECTED
-    return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason)
+    others = tuple(other["text"] for other in status.others)
+    return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason, others)
 
 
 def run(registry: Registry) -> list[Finding]:

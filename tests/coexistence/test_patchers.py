@@ -3,8 +3,6 @@ changed to the patcher's object, the object it replaced called (wrap) or not (re
 ``undo()`` puts every location back. How the shim reacts to them is tested elsewhere."""
 
 import functools
-import importlib.util
-import json
 import sys
 import types
 
@@ -463,63 +461,3 @@ def test_own_noop_and_replace_do_not_call_through(patched, spy):
     replace = patched(patchers.own_replace, SPEC, lambda self: "mine")
     assert model.enable_input_require_grads() == "mine"
     assert (noop.calls, replace.calls, len(original)) == (1, 1, 0)
-
-
-# ---------------------------------------------------------------------------- liger-kernel, for real
-
-LIGER = """
-import importlib, json, pkgutil
-import shim, shim.patches
-import transformers.models.llama.modeling_llama as llama
-from liger_kernel.transformers import apply_liger_kernel_to_llama
-from shim.selfcheck.models import tiny_llama
-
-def resolve(spec):
-    module, qualname = spec.split(":")
-    owner = importlib.import_module(module)
-    *path, name = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
-
-specs = {"torch.utils.checkpoint:checkpoint", "torch.utils.checkpoint:CheckpointFunction",
-         "transformers.modeling_utils:checkpoint", "trl.models.utils:disable_gradient_checkpointing",
-         "transformers.models.llama.modeling_llama:LlamaDecoderLayer.forward"}
-for info in pkgutil.iter_modules(shim.patches.__path__):
-    if info.name.startswith("_"):
-        continue
-    patch = getattr(importlib.import_module("shim.patches." + info.name), "PATCH", None)
-    specs |= {target.spec for target in getattr(patch, "targets", ())}
-specs = {spec for spec in specs if not spec.startswith("deepspeed.")}
-targets = {spec: resolve(spec) for spec in specs}
-names = dict(vars(llama))
-classes = {name: dict(vars(value)) for name, value in names.items() if isinstance(value, type)}
-model = tiny_llama(2)
-apply_liger_kernel_to_llama()
-apply_liger_kernel_to_llama(model=model)
-print(json.dumps({
-    "targets": sorted(specs),
-    "changed_targets": sorted(spec for spec, held in targets.items() if resolve(spec) is not held),
-    "rebound_names": sorted(name for name, value in vars(llama).items() if names.get(name) is not value),
-    "class_attributes": sorted(
-        f"{name}.{attr}" for name, held in classes.items() for attr, value in vars(names[name]).items()
-        if held.get(attr) is not value and not attr.startswith("_")
-    ),
-    "instance_forwards": sorted(
-        name for name, module in model.named_modules() if "forward" in vars(module)
-    ),
-}))
-"""
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None,
-    reason="liger-kernel imports only with triton installed",
-)
-def test_liger_kernel_llama_touches_none_of_the_shims_targets():
-    report = json.loads(run_python(LIGER).stdout.strip().splitlines()[-1])
-    assert report["changed_targets"] == [] and len(report["targets"]) > 20
-    assert report["rebound_names"] == ["LlamaMLP", "LlamaRMSNorm", "apply_rotary_pos_emb"]
-    assert report["class_attributes"] == ["LlamaForCausalLM.forward"]
-    forwards = report["instance_forwards"]  # model= binds forward on instances: the model, norms, MLPs
-    assert "" in forwards and all(name.endswith(("norm", "layernorm", "mlp")) for name in forwards if name)

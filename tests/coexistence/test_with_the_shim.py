@@ -142,11 +142,28 @@ def test_the_status_names_the_other_patcher_and_the_fix_holds_where_it_is_not_by
 def test_a_patcher_beside_the_shims_targets_is_not_named(patcher, order):
     """They patch the same classes and functions the layers run through, not a target of the shim:
     nothing to name, and no patch fails beside them (docs/coexistence.md says what each does to the
-    fixes)."""
+    fixes). Where DeepSpeed has the bug, axolotl's ``CheckpointWrapper`` fix is named as the same
+    fix (tests/e2e/test_coexistence.py trains with it)."""
     with applied(patcher, before_the_shim=order == "before the shim"):
         records = shim.status()
-        assert [record.name for record in records if record.others] == []
+        named = [(record.name, other["relation"]) for record in records for other in record.others]
+        zero3 = next(record for record in records if record.name == "zero3-delegating-wrapper-hooks")
+        same_fix = patcher is patchers.axolotl_checkpoint_wrapper_setattr and zero3.state == "applied"
+        assert named == ([(zero3.name, "same fix")] if same_fix else [])
         assert [record.name for record in records if record.state == "failed"] == []
+
+
+def test_the_effect_names_the_patcher_that_replaced_a_decoder_layers_forward():
+    from shim import runtime as effects
+    from shim.selfcheck.models import tiny_llama
+
+    name = "replaced-forward-keeps-checkpointing"
+    with applied(patchers.unsloth_decoder_layer_forward, before_the_shim=False):
+        before = effects.count(name)
+        tiny_llama(layers=2).train().gradient_checkpointing_enable()
+        assert effects.count(name) == before + 1
+        by = "tests.coexistence.patchers:unsloth_decoder_layer_forward.<locals>.LlamaDecoderLayer_fast_forward"
+        assert f"LlamaDecoderLayer.forward was replaced by {by} ({patchers.__file__})" in effects.last(name)
 
 
 def test_axolotls_offloading_checkpoint_runs_with_the_shim():
@@ -183,6 +200,26 @@ def test_the_other_patcher_is_logged_once_and_shown_by_the_command_line(caplog):
     assert "    other patcher: trl.models.utils:disable_gradient_checkpointing was replaced by" in table
 
 
+def test_a_bypass_is_logged_when_a_model_enables_checkpointing_without_a_status(caplog, monkeypatch):
+    """Training sets up: at a model's first enable checkpointing-restore's layer asks the engine
+    to look (``shim.notice_others``), so the warning comes before the first step, once."""
+    from shim import entry
+    from shim.selfcheck.models import tiny_llama
+
+    monkeypatch.setattr(entry, "_seen", set())  # what earlier tests had logged
+    with applied(lambda: patchers.own_noop(DISABLE), before_the_shim=False):
+        with caplog.at_level("INFO", logger="shim"):
+            model = tiny_llama(layers=2)
+            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
+            monkeypatch.setattr(entry, "_seen", set())
+            with shim.disabled("checkpointing-restore"):  # the layer that looks is off: nothing looks
+                tiny_llama(layers=2).gradient_checkpointing_enable()
+    said = [r for r in caplog.records if "was replaced by tests.coexistence.patchers:" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], [r.getMessage() for r in said]
+    assert said[0].getMessage().startswith(f"checkpointing-call-signature: {DISABLE} was replaced by ")
+
+
 def test_doctor_says_bypassed_by_the_patcher_not_not_affected():
     from shim.tools import doctor
 
@@ -192,6 +229,17 @@ def test_doctor_says_bypassed_by_the_patcher_not_not_affected():
     assert finding.verdict == "bypassed by tests", finding
     assert "was replaced by tests.coexistence.patchers:" in finding.detail
     assert doctor.explained(finding.verdict) and finding.verdict not in doctor.FAILING
+
+
+def test_doctor_names_a_patcher_stacked_on_the_fix_below_its_verdict():
+    from shim.tools import doctor
+
+    with applied(lambda: patchers.own_wrap(ENABLE_INPUT_GRADS, wraps=True), before_the_shim=False):
+        finding = doctor.examine(shim.registry, "input-grad-hook-dedupe")
+    assert finding.verdict == "fixed", finding  # both run: the fix holds
+    [line] = doctor.below_table(finding)
+    assert line.startswith(f"input-grad-hook-dedupe: other patcher: {ENABLE_INPUT_GRADS} is wrapped again by tests.")
+    assert line.endswith("it runs first, then the fix")
 
 
 def test_the_shim_leaves_a_replacement_alone_until_activate_is_called():

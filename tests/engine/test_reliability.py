@@ -415,6 +415,48 @@ def test_a_target_replaced_by_hand_is_reported_and_activate_wraps_it_again(fake_
     assert module.f(1) == ("demo", 1)
 
 
+WRAPPER = """
+class Wrapper:
+    pass
+"""
+
+
+def test_a_known_fix_of_the_same_bug_is_named_only_while_its_mark_and_code_are_there(fake_modules):
+    from shim import Registry, SameFix
+    from tests.engine.fakes import TARGET, make_patch
+
+    pkg = fake_modules(target=TARGET + WRAPPER, elsewhere=WRAPPER)
+    module = importlib.import_module(f"{pkg}.target")
+    same = SameFix(f"{pkg}.target:Wrapper.__setattr__", mark="_fixed_here", covers="Wrapper alone")
+    never_imported = SameFix(f"{pkg}.elsewhere:Wrapper.__setattr__", mark="_fixed_here", covers="-")
+    registry = Registry([make_patch(pkg, same_fix=(same, never_imported))])
+    registry.activate()
+
+    def others():
+        return next(s for s in registry.status() if s.name == "demo").others
+
+    def fixed_setattr(self, name, value):
+        object.__setattr__(self, name, value)
+
+    module.Wrapper._fixed_here = True
+    assert others() == ()  # the mark, but upstream's own __setattr__ (object's)
+    del module.Wrapper._fixed_here
+    module.Wrapper.__setattr__ = fixed_setattr
+    assert others() == ()  # another patcher's code, but nothing says it is that fix
+    module.Wrapper._fixed_here = True
+    [other] = others()
+    where = f"{__name__}:{test_a_known_fix_of_the_same_bug_is_named_only_while_its_mark_and_code_are_there.__name__}"
+    assert (other["target"], other["relation"], other["by"]) == (
+        same.spec,
+        "same fix",
+        f"{where}.<locals>.fixed_setattr",
+    )
+    assert other["text"].endswith("which fixes the same bug for Wrapper alone: both can be on")
+    assert f"{pkg}.elsewhere" not in sys.modules  # a status imports nothing to look for it
+    registry.deactivate()
+    assert others() == ()  # said while the patch is on only
+
+
 # -- the reentrant fix under the shim, end to end, as a permutation of import orders ------------------
 
 STEPS = {

@@ -57,7 +57,9 @@ def test_a_replaced_forward_checkpoints_again_and_still_runs(how):
         uncheckpointed = trainable_grads(model, loss_of)
     assert wrong_grads(uncheckpointed, checkpointed) == [] and wrong_grads(reference, checkpointed) == []
     assert effects.count(NAME) == before + 1, "one class wrapped again, once"
-    assert "LlamaDecoderLayer.forward was replaced" in effects.last(NAME)
+    # who replaced it, by its own code (not the names functools.wraps or wrapt copy from transformers')
+    by = "shim.selfcheck.models:replaced_forward_llama.<locals>.<lambda>"
+    assert f"LlamaDecoderLayer.forward was replaced by {by} (" in effects.last(NAME)
 
 
 @pytest.mark.parametrize("when", ["before the model is built", "after the model is built"])
