@@ -107,8 +107,9 @@ class SameFix(_Spec):
 
     ``spec`` (``"package.module:Class.attribute"``) is where it puts its code; it is named once
     ``Class`` has a true attribute ``mark`` and ``spec`` holds code that is not upstream's.
-    ``covers`` says for what its fix holds (the shim's may cover more). Looked at when a status is
-    asked for, never imported: a module nobody imported has nobody's fix in it.
+    ``covers`` says for what its fix holds (the shim's may cover more). Looked at wherever the shim
+    looks for other patchers (:meth:`shim.Registry.notice_others`, a status), never imported: a
+    module nobody imported has nobody's fix in it.
     """
 
     spec: str

@@ -10,10 +10,12 @@ the same model without the wrapper, and the shim's status names axolotl's functi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_python
 from tests.e2e.launch import ZERO3_TIMEOUT, Case, Launches, applies
 
 pytestmark = [
@@ -85,3 +87,24 @@ def test_the_status_names_axolotls_fix_of_the_same_bug_only_where_it_is_on(runs)
     assert other["file"].endswith("tests/coexistence/patchers.py")
     assert "fixes the same bug for modules inside torch's CheckpointWrapper" in other["text"]
     assert other["text"].endswith("both can be on")
+
+
+IMPORT_ORDER = """
+import json
+import deepspeed.runtime.zero.parameter_offload  # the patch's target module
+from tests.coexistence import patchers
+if {axolotl_first}:
+    patchers.axolotl_checkpoint_wrapper_setattr()
+import shim
+if not {axolotl_first}:
+    patchers.axolotl_checkpoint_wrapper_setattr()
+record = next(s for s in shim.status() if s.name == {patch!r})
+print(json.dumps({{"state": record.state, "others": [[o["relation"], o["by"]] for o in record.others]}}))
+"""
+
+
+@pytest.mark.parametrize("axolotl_first", [True, False], ids=["axolotl, then import shim", "import shim, then axolotl"])
+def test_either_import_order_names_the_same_fix(axolotl_first):
+    code = IMPORT_ORDER.format(axolotl_first=axolotl_first, patch=PATCH)
+    out = json.loads(run_python(code).stdout.splitlines()[-1])
+    assert out == {"state": "applied", "others": [["same fix", AXOLOTL]]}

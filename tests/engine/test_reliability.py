@@ -457,6 +457,16 @@ def test_a_known_fix_of_the_same_bug_is_named_only_while_its_mark_and_code_are_t
     assert others() == ()  # said while the patch is on only
 
 
+def test_a_same_fix_is_declared_on_a_class_attribute():
+    from shim import SameFix
+    from tests.engine.fakes import make_patch
+
+    with pytest.raises(ValueError, match="'package.module:Class.attribute'"):
+        SameFix("json:dumps", mark="_fixed", covers="-")  # the mark lives on a class: it needs one
+    with pytest.raises(TypeError, match="same_fix= must be a tuple of shim.SameFix"):
+        make_patch("demo_pkg", same_fix=("json:JSONEncoder.default",))
+
+
 # -- the reentrant fix under the shim, end to end, as a permutation of import orders ------------------
 
 STEPS = {
