@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # End-to-end tests (tests/e2e): DeepSpeed ZeRO-3 and DDP on two CPU ranks, real trl trainers, shim-run, each
-# run with the shim (or one patch) switched off (the bug) and on (the fix). Two environments, each built
+# run with the shim (or one patch) switched off (the bug) and on (the fix). Three environments, each built
 # with uv like .venv (scripts/_venv.sh; left as they are while their constraints and the scripts are
-# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test) and .venvs/e2e-ds0.19.3
+# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test but liger's), .venvs/e2e-ds0.19.3
 # (constraints/e2e-ds0.19.3.txt, where DeepSpeed has its own fixes: doctor's verdict on both DeepSpeed
 # patches, and ZeRO-3 LoRA training with the patches out of their gate, as without checkpointing); and
 # .venvs/e2e-liger (constraints/e2e-liger.txt: the default stack with the real liger-kernel and the
 # triton it imports, ~1 GB installed; tests/e2e/test_liger_kernel.py, no DeepSpeed).
 # Usage: bash scripts/e2e.sh [pytest args]      (E2E_VENV=path to use another venv for the first one)
-#   E2E_ONLY_SETUP=1: build the two environments and run nothing
+#   E2E_ONLY_SETUP=1: build the three environments and run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
