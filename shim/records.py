@@ -30,8 +30,10 @@ class PatchStatus:
     ``references`` are GitHub addresses and ``python -m shim explain <name>``, which prints the
     bug's story (``docs/bugs.md``, shipped with the package). ``others``: another patcher's object
     on one of the patch's targets, each as ``target``, ``relation`` (``bypassed``: the fix does not
-    run there; ``above``: it runs first, then the fix; ``below``: the fix runs first, then it),
-    ``by`` (``module:qualname``), ``file`` and ``text`` (the line the tables show).
+    run there; ``above``: it runs first, then the fix; ``below``: the fix runs first, then it;
+    ``same fix``: beside the targets, a patcher the patch declares fixes the same bug, and
+    ``covers`` says for what), ``by`` (``module:qualname``), ``file`` and ``text`` (the line the
+    tables show).
     """
 
     name: str
