@@ -39,9 +39,7 @@ def reproduces(case: str, patch: str) -> bool:
     ends with the bug's exception, ``False`` when it trains. Anything else raises (a doctor "check error")."""
     import shim
 
-    env = dict(os.environ)
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    env["MASTER_PORT"] = str(_free_port())
+    env = dict(os.environ) | one_rank_environment()
     env["SHIM_DISABLE"] = "" if shim.registry.is_on(patch) else patch
     try:
         done = subprocess.run(
@@ -61,16 +59,21 @@ def reproduces(case: str, patch: str) -> bool:
     raise RuntimeError(f"{case}: the one-rank DeepSpeed run failed otherwise: {error}")
 
 
-def _free_port() -> int:
+def one_rank_environment() -> dict[str, str]:
+    """What ``torch.distributed`` needs to start a process group of this one process, on a free port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        port = str(probe.getsockname()[1])
+    return dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    )
 
 
 # -- the child ---------------------------------------------------------------------------------
 
 
-def _train(model, steps: int = 2) -> None:
+def train(model, steps: int = 2) -> tuple[object, list[float]]:
+    """``steps`` ZeRO-3 steps of ``model`` on one fixed batch; the engine and each step's loss."""
     import deepspeed
     import torch
 
@@ -78,10 +81,13 @@ def _train(model, steps: int = 2) -> None:
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG, model_parameters=trainable)
     torch.manual_seed(0)
     inputs = torch.randn(2, WIDTH)
+    losses = []
     for _ in range(steps):
         loss = engine(inputs).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        losses.append(loss.item())
+    return engine, losses
 
 
 def frozen_recompute() -> None:
@@ -113,7 +119,7 @@ def frozen_recompute() -> None:
         model = Net()
     for block in model.blocks:
         block.norm.requires_grad_(False)
-    _train(model)
+    train(model)
 
 
 def delegating_wrapper() -> None:
@@ -150,7 +156,7 @@ def delegating_wrapper() -> None:
 
     with deepspeed.zero.Init(config_dict_or_path=CONFIG):
         model = Net()
-    _train(model)
+    train(model)
 
 
 CASES = {"frozen-recompute": frozen_recompute, "delegating-wrapper": delegating_wrapper}

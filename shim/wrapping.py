@@ -414,7 +414,7 @@ class Other(NamedTuple):
     covers: str = ""  # SAME_FIX: for what its fix holds
 
     def text(self) -> str:
-        by = f"{self.by} ({self.file})" if self.file else self.by
+        by = _located(self.by, self.file)
         if self.relation == SAME_FIX:
             return f"{self.target} holds {by}, which fixes the same bug for {self.covers}: both can be on"
         if self.relation == BYPASSED:
@@ -473,7 +473,12 @@ def written_by(obj: object) -> str:
     """Where the code ``obj`` runs was written: ``module:qualname (file)``, as status names another
     patcher (for an effect that says who replaced something the shim does not wrap)."""
     _, _, module, qualname, file = _code_of(obj)
-    return f"{module}:{qualname} ({file})" if file else f"{module}:{qualname}"
+    return _located(f"{module}:{qualname}", file)
+
+
+def _located(by: str, file: str) -> str:
+    """``module:qualname (file)``, as the status lines and effects name another patcher's code."""
+    return f"{by} ({file})" if file else by
 
 
 def _name(obj: object) -> str:

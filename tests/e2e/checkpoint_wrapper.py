@@ -9,14 +9,14 @@
 # shim's status says of other patchers on the patch.
 import argparse
 import os
-import socket
 
 import deepspeed
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import shim  # the DeepSpeed patch applies at once: deepspeed is imported
-from shim.patches._deepspeed_cases import CONFIG, WIDTH
+from shim.patches._deepspeed_cases import CONFIG, WIDTH, one_rank_environment
+from shim.patches._deepspeed_cases import train as zero3_steps
 from tests.coexistence.patchers import axolotl_checkpoint_wrapper_setattr
 from tests.e2e.ranks import Report, run_cases
 
@@ -45,15 +45,7 @@ def train(case: argparse.Namespace, directory: str) -> None:
             model.head = checkpoint_wrapper(model.head)
         others = [other for status in shim.status() if status.name == PATCH for other in status.others]
         report.write(losses=[], others=others)
-        engine, *_ = deepspeed.initialize(model=model, config=CONFIG, model_parameters=list(model.parameters()))
-        torch.manual_seed(0)
-        inputs = torch.randn(2, WIDTH)
-        losses = []
-        for _ in range(STEPS):
-            loss = engine(inputs).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        engine, losses = zero3_steps(model, STEPS)  # the self-check's loop: every parameter trains
         weights = {}
         for name, parameter in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([parameter]):
@@ -72,16 +64,8 @@ def options() -> argparse.ArgumentParser:
     return parser
 
 
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 if __name__ == "__main__":
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+    for name, value in one_rank_environment().items():
         os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", free_port())
     deepspeed.init_distributed(dist_backend="gloo")
     run_cases(options(), train)
