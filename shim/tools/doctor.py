@@ -109,18 +109,18 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
     except Exception as exc:  # a broken check is a finding, not a crash of the whole report
         return Finding(name, installed, status.state, "-", "-", ERROR, repr(exc))
     bypassed = [other for other in status.others if other["relation"] == "bypassed"]
+    others = tuple(other["text"] for other in status.others if other not in bypassed)
     if bypassed:  # checked as it runs here; the other patcher's code is what ran
         patchers = sorted({other["by"].partition(":")[0].partition(".")[0] for other in bypassed})
         verdict = NOT_FIXED if upstream else BYPASSED.format(", ".join(patchers))
         detail = "; ".join(other["text"] for other in bypassed)
-        return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, detail)
+        return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, detail, others)
     if status.state == APPLIED:
         verdict = FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
     elif status.state == DISABLED:
         verdict = OPTED_OUT
     else:
         verdict = NOT_FIXED if upstream else NOT_AFFECTED
-    others = tuple(other["text"] for other in status.others)
     return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason, others)
 
 

@@ -231,6 +231,19 @@ def test_doctor_says_bypassed_by_the_patcher_not_not_affected():
     assert doctor.explained(finding.verdict) and finding.verdict not in doctor.FAILING
 
 
+def test_doctor_keeps_a_stacked_patcher_beside_a_bypassed_verdict():
+    from shim.tools import doctor
+
+    enable = "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable"
+    with applied(lambda: patchers.own_wrap(enable, wraps=True), before_the_shim=False):
+        with applied(patchers.unsloth_trl_disable_gradient_checkpointing_noop, before_the_shim=False):
+            finding = doctor.examine(shim.registry, "checkpointing-call-signature")
+    assert finding.verdict == "bypassed by tests", finding
+    lines = doctor.below_table(finding)
+    assert lines[0].startswith("checkpointing-call-signature: bypassed by tests: ")
+    assert [line for line in lines if f"other patcher: {enable} is wrapped again by" in line], lines
+
+
 def test_doctor_names_a_patcher_stacked_on_the_fix_below_its_verdict():
     from shim.tools import doctor
 
