@@ -90,4 +90,38 @@ def _print_report() -> None:
         text = shim.report()
     except Exception as exc:  # the user's program is over: say why, never raise at exit
         text = f"hf-train-shim report failed: {exc!r}"
-    print(text, file=sys.stderr, flush=True)
+    write_whole_lines(text)
+
+
+#: The most bytes one ``write`` to a pipe puts in it at once, never interleaved with another process's
+#: (POSIX guarantees at least 512; Linux's is 4096).
+PIPE_BUF = 4096
+
+
+def write_whole_lines(text: str) -> None:
+    """``text`` and its newline to stderr in as few ``os.write`` calls as it takes, each of whole lines
+    and at most :data:`PIPE_BUF` bytes: the ranks of a launcher share one stderr, and ``print`` writes
+    the text and its newline apart, so another rank's report could land inside a line. A stderr
+    without a file descriptor (a captured one) gets one ``write``."""
+    try:
+        stream = sys.stderr
+        stream.flush()
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        return
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    chunk = b""
+    for line in (text + "\n").splitlines(keepends=True):
+        data = line.encode(encoding, "backslashreplace")
+        if chunk and len(chunk) + len(data) > PIPE_BUF:
+            _write_all(fd, chunk)
+            chunk = b""
+        chunk += data
+    _write_all(fd, chunk)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]

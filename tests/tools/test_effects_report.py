@@ -91,3 +91,46 @@ def test_a_training_script_reports_its_effects_at_exit_and_logs_the_first_ones()
     assert "shim INFO: checkpointing-restore: FrozenBaseLlama was re-enabled without a configuration" in logged
     assert logged.count("load-keeps-requires-grad: kept") == 1, "logged once, counted always"
     assert "hf-train-shim report" not in logged
+
+
+# -- the exit report is written as whole lines ---------------------------------------------------------
+
+
+@pytest.mark.any_version
+def test_the_exit_report_reaches_stderr_as_whole_lines_in_single_writes(monkeypatch):
+    """Ranks under one launcher share a stderr: each ``os.write`` of the report holds whole lines (the
+    last one ends in a newline), none is larger than a pipe takes at once unless one line is, and
+    together they are the report. ``print`` wrote the text and its newline apart, and another rank's
+    report landed between them (``...zero3-frozen-recompute[rank 0] hf-train-shim report``)."""
+    import io
+    import os
+
+    from shim.tools import report
+
+    read, write = os.pipe()
+    writes = []
+    real_write = os.write
+
+    def recorded(fd, data):
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    lines = [f"[rank 1]   line {i}: " + "x" * 90 for i in range(120)]  # ~12 kB: more than one pipe write
+    with open(write, "w", encoding="utf-8", closefd=True) as stream:
+        monkeypatch.setattr(report.sys, "stderr", stream)
+        monkeypatch.setattr(report.os, "write", recorded)
+        stream.write("before ")  # something of the program's own, still in the stream's buffer
+        report.write_whole_lines("\n".join(lines))
+        monkeypatch.undo()
+    with open(read, "rb") as pipe:
+        written = pipe.read()
+    assert written == ("before " + "\n".join(lines) + "\n").encode()
+    assert b"".join(writes) == ("\n".join(lines) + "\n").encode()
+    assert len(writes) > 1 and all(chunk.endswith(b"\n") and len(chunk) <= report.PIPE_BUF for chunk in writes)
+    # Each chunk holds as many whole lines as a pipe takes at once: the next chunk's first line would not fit.
+    assert all(len(a) + len(b.split(b"\n")[0]) + 1 > report.PIPE_BUF for a, b in zip(writes, writes[1:]))
+
+    captured = io.StringIO()  # a stderr without a file descriptor (pytest's capture): one write
+    monkeypatch.setattr(report.sys, "stderr", captured)
+    report.write_whole_lines("a\nb")
+    assert captured.getvalue() == "a\nb\n"
