@@ -475,9 +475,39 @@ def test_a_layer_finding_function_assigned_to_every_layer_works():
 # -- 4: a class forward compiled, or one that checkpoints itself: checkpointed once ----------------------
 
 
+def calls_outside_compiled_code(model, step):
+    """Run ``step()``: how many times each decoder layer's checkpoint function was called, counted by a function
+    dynamo never traces (``torch.compiler.disable``): called from compiled code it is a graph break there and
+    runs in Python, as a call from the layer's own Python code does. A counter dynamo traces counts the trace,
+    not the calls: from torch 2.14 :func:`attention_runs` inside a compiled region says 1 per layer, or 0 when
+    the region was compiled for another model."""
+    calls = [0] * len(model.model.layers)
+    held = {}
+
+    def counting(function, index):
+        def call(*args, **kwargs):
+            calls[index] += 1
+            return function(*args, **kwargs)
+
+        return torch.compiler.disable(call)
+
+    for index, layer in enumerate(model.model.layers):  # through __dict__: the layer is given no new function
+        function = layer.__dict__.get("_gradient_checkpointing_func")
+        if function is not None:
+            held[layer] = function
+            layer.__dict__["_gradient_checkpointing_func"] = counting(function, index)
+    try:
+        step()
+    finally:
+        for layer, function in held.items():
+            layer.__dict__["_gradient_checkpointing_func"] = function
+    return calls
+
+
 def compiled_step(cls, forward, reentrant, off):
     """A 2-layer Llama of ``cls`` whose ``forward`` is ``forward``, checkpointing enabled (inside
-    ``shim.disabled()`` when ``off``): each layer's ``self_attn`` runs in one step and the gradients."""
+    ``shim.disabled()`` when ``off``): each layer's checkpoint-function calls in one step
+    (:func:`calls_outside_compiled_code`), and the gradients."""
     cls.forward = forward
     torch.manual_seed(0)
     model = tiny_llama(2)
@@ -485,23 +515,30 @@ def compiled_step(cls, forward, reentrant, off):
     reference = trainable_grads(model, loss_of)
     with shim.disabled() if off else contextlib.nullcontext(), quiet():
         enable_checkpointing(model, {"use_reentrant": reentrant})
-        runs = attention_runs(model, lambda: loss_of(model).backward())
+        calls = calls_outside_compiled_code(model, lambda: loss_of(model).backward())
         grads = trainable_grads(model, loss_of)
-    return runs, wrong_grads(reference, grads)
+    return calls, wrong_grads(reference, grads)
 
 
 @from_5_23
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_a_compiled_class_forward_is_recomputed_as_often_as_without_the_shim(layer_class, reentrant):
-    """``LlamaDecoderLayer.forward = torch.compile(LlamaDecoderLayer.forward, backend="eager")``:
-    each layer's attention runs as many times in a checkpointed step as without the shim (upstream,
-    reentrant: 2 per layer; today's shim wraps the compiled wrapper again: 3), with the gradients of
-    no checkpointing."""
+    """``LlamaDecoderLayer.forward = torch.compile(LlamaDecoderLayer.forward, backend="eager")``: each layer's
+    checkpoint function is called as often as without the shim, counted outside compiled code, and at most
+    once per step: a shim that wrapped the compiled wrapper again would call it from its own Python wrapper
+    as well, once more per layer, and recompute the layer once more. The gradients are those of no
+    checkpointing.
+
+    Upstream calls it once per layer up to torch 2.13 and not at all from torch 2.14: in the compiled frame,
+    transformers' test ``type(self).forward is forward_with_checkpointing`` (only the outermost wrapper
+    checkpoints) no longer finds its wrapper in the compiled function, so the layer is not checkpointed (the
+    tensors a step saves are those of a step without checkpointing). The shim leaves both as they are."""
     compiled = torch.compile(layer_class.forward, backend="eager")
-    upstream_runs, upstream_wrong = compiled_step(layer_class, compiled, reentrant, off=True)
-    assert upstream_runs == [2, 2] and upstream_wrong == [], "upstream checkpoints each layer once"
-    runs, wrong = compiled_step(layer_class, compiled, reentrant, off=False)
-    assert runs == upstream_runs
+    upstream_calls, upstream_wrong = compiled_step(layer_class, compiled, reentrant, off=True)
+    assert upstream_wrong == []
+    assert len(upstream_calls) == 2 and set(upstream_calls) <= {0, 1}, "upstream checkpoints a layer at most once"
+    calls, wrong = compiled_step(layer_class, compiled, reentrant, off=False)
+    assert calls == upstream_calls, "checkpointed as often as without the shim"
     assert wrong == []
 
 
