@@ -12,10 +12,14 @@
 # torch: 2.13.0, the CPU build, is installed first into each environment and then left alone
 # (everything later is resolved around the installed torch); an environment whose torch would not
 # be 2.13.0+cpu stops the build before anything is installed, never a CUDA build of several GB.
+# Only a constraints file that pins another release exactly (the version matrix's torch cells,
+# `torch==2.15.0` on its first line) gets that release, the build PyPI has (on Linux x86_64 a CUDA
+# build that runs on the CPU); pip's own cap on torch, if the machine has one, is left out for it.
 
 SHIM_UV_VERSION=0.13.8
-SHIM_TORCH=torch==2.13.0
-SHIM_TORCH_BUILD=2.13.0+cpu
+SHIM_TORCH_CPU=2.13.0
+SHIM_TORCH=torch==$SHIM_TORCH_CPU
+SHIM_TORCH_BUILD=$SHIM_TORCH_CPU+cpu
 
 _uv_is_pinned() {  # _uv_is_pinned PATH: is PATH an executable uv of the pinned version?
     [ -n "$1" ] && [ -x "$1" ] && [ "$("$1" --version 2>/dev/null | cut -d' ' -f1-2)" = "uv $SHIM_UV_VERSION" ]
@@ -136,8 +140,74 @@ except m.PackageNotFoundError:
     pass'
 }
 
-# install_torch VENV CONSTRAINTS: torch 2.13.0, the CPU build, first; stops, having installed
-# nothing, if the torch installed there or the one that would be installed is any other build.
+# torch_pin CONSTRAINTS: the torch the environment gets, from the file's `torch==` line, in
+# SHIM_TORCH (what to install) and SHIM_TORCH_BUILD (what it must report): torch==2.13.0, or no torch
+# line, is the CPU build 2.13.0+cpu; any other exact pin is that release as the index has it.
+torch_pin() {
+    local line
+    line=$(grep -m1 -E '^[[:space:]]*torch[[:space:]]*([=<>!~;]|$)' "$1" | tr -d '[:space:]' || true)
+    if [ -z "$line" ] || [ "$line" = "torch==$SHIM_TORCH_CPU" ]; then
+        SHIM_TORCH=torch==$SHIM_TORCH_CPU
+        SHIM_TORCH_BUILD=$SHIM_TORCH_CPU+cpu
+    elif [[ $line =~ ^torch==[0-9]+(\.[0-9]+)*$ ]]; then
+        SHIM_TORCH=$line
+        SHIM_TORCH_BUILD=${line#torch==}
+    else
+        echo "$1: torch must be pinned exactly (torch==X.Y.Z), not '$line'" >&2
+        return 1
+    fi
+}
+
+# lift_torch_cap DIR: for an environment pinned to a torch other than the CPU build (a matrix torch
+# cell), pip's constraint files are passed on to uv without their torch lines (copies in DIR): a
+# machine may cap torch below the cell's exact pin, which the cell asks for on purpose. pip reads
+# its configuration itself and cannot be told so: such a build needs uv.
+lift_torch_cap() {
+    [ "$SHIM_TORCH_BUILD" != "$SHIM_TORCH_CPU+cpu" ] || return 0
+    if [ -z "$SHIM_UV" ]; then
+        echo "$SHIM_TORCH needs uv: pip would apply its own configuration's constraints on torch" >&2
+        return 1
+    fi
+    local args=() index=0 file copy
+    while [ "$index" -lt "${#PIP_UV_ARGS[@]}" ]; do
+        if [ "${PIP_UV_ARGS[$index]}" = --constraints ]; then
+            file=${PIP_UV_ARGS[$((index + 1))]}
+            copy="$1/.shim-pip-constraints-$index.txt"
+            grep -v -E '^[[:space:]]*torch[[:space:]]*([=<>!~;]|$)' "$file" >"$copy" || true
+            cmp -s "$file" "$copy" || echo "pip's constraint on torch in $file is left out here: $SHIM_TORCH is asked for" >&2
+            args+=(--constraints "$copy")
+            index=$((index + 2))
+        else
+            args+=("${PIP_UV_ARGS[$index]}")
+            index=$((index + 1))
+        fi
+    done
+    PIP_UV_ARGS=(${args[@]+"${args[@]}"})
+}
+
+# resolve_newest REQUIREMENTS OUT: the newest releases the index has for REQUIREMENTS (names, and
+# pins for what should not move) and for the shim's test extra, every package pinned, into OUT
+# (the version matrix's latest cell; needs uv). torch too: pip's cap on it is left out.
+resolve_newest() {
+    local requirements=$1 out=$2
+    if [ -z "$SHIM_UV" ]; then
+        echo "resolving the newest releases needs uv (uv pip compile)" >&2
+        return 1
+    fi
+    mkdir -p "$(dirname "$out")"
+    SHIM_TORCH="the newest torch" SHIM_TORCH_BUILD=newest lift_torch_cap "$(dirname "$out")"
+    grep -v -E '^[[:space:]]*(#|$)' "$requirements" >"$out.in"
+    "$SHIM_UV" pip compile -q --python "$(python3 -c 'import sys; print(sys.executable)')" \
+        ${PIP_UV_ARGS[@]+"${PIP_UV_ARGS[@]}"} --index-strategy unsafe-best-match --no-header --no-annotate \
+        pyproject.toml --extra test "$out.in" -o "$out.txt"
+    # torch first, as in every constraints file (torch_pin reads it; the build installs it first).
+    { grep -E '^torch==' "$out.txt"; grep -v -E '^torch==' "$out.txt"; } >"$out"
+    rm -f "$out.in" "$out.txt"
+}
+
+# install_torch VENV CONSTRAINTS: torch first (torch_pin: 2.13.0, the CPU build, unless the file pins
+# another release); stops, having installed nothing, if the torch installed there or the one that
+# would be installed is any other build.
 install_torch() {
     local venv=$1 constraints=$2 have plan
     have=$(_torch_of "$venv")
@@ -154,7 +224,7 @@ install_torch() {
         }
         if ! grep -q "^ + torch==$SHIM_TORCH_BUILD\$" <<<"$plan"; then
             echo "$plan" >&2
-            echo "$SHIM_TORCH would not install the CPU build $SHIM_TORCH_BUILD here (see above), so nothing was" \
+            echo "$SHIM_TORCH would not install the build $SHIM_TORCH_BUILD here (see above), so nothing was" \
                 "installed: give pip the folder or index that has it (find-links or extra-index-url in pip's" \
                 "configuration; PyTorch's CPU wheels are on its index .../whl/cpu)" >&2
             return 1
@@ -164,8 +234,11 @@ install_torch() {
     SHIM_COMPILE=0 venv_install "$venv" "$SHIM_TORCH" -c "$constraints"
 }
 
-check_torch() {  # check_torch VENV: the torch that imports there is 2.13.0+cpu
+# check_torch VENV: the torch that imports there is SHIM_TORCH_BUILD (2.13.0+cpu; a release pinned
+# by a torch cell may add its build's local tag, e.g. 2.15.0+cu130 for 2.15.0).
+check_torch() {
     "$1/bin/python" -W ignore -c "import sys, torch
-sys.exit(None if torch.__version__ == '$SHIM_TORCH_BUILD' else
-         f'{sys.prefix} has torch {torch.__version__}, not $SHIM_TORCH_BUILD: remove it and set it up again')"
+want, have = '$SHIM_TORCH_BUILD', torch.__version__
+sys.exit(None if have == want or ('+' not in want and have.split('+')[0] == want) else
+         f'{sys.prefix} has torch {have}, not {want}: remove it and set it up again')"
 }

@@ -6,6 +6,11 @@
 #   SHIM_USE_PIP=1     build with pip instead of uv
 #   SHIM_EXCLUDE=names leave these dependencies out (uv's --excludes; a matrix cell whose release
 #                      requires a package the index lacks, scripts/matrixlib/cells.py)
+#   SHIM_RESOLVE=path  the constraints file names packages without pins: resolve the newest releases of
+#                      them (torch included) into path, every package pinned, and build from that (the
+#                      matrix's latest cell; uv only)
+# A constraints file whose first line pins another torch than 2.13.0 (torch==2.15.0: the matrix's torch
+# cells) gets that release instead of the CPU build (scripts/_venv.sh, torch_pin); the default never does.
 # Built with uv (scripts/_venv.sh). An environment already built from the same constraints,
 # pyproject.toml, scripts and pip configuration is left as it is: the command then takes a second.
 set -euo pipefail
@@ -20,12 +25,21 @@ print(' | '.join(f'{d} {m.version(d)}' for d in ('torch', 'transformers', 'trl',
 }
 
 venv_tool
+if [ -n "${SHIM_RESOLVE:-}" ]; then
+    resolve_newest "$constraints" "$SHIM_RESOLVE"
+    constraints=$SHIM_RESOLVE
+fi
+torch_pin "$constraints"
 stamp=$(venv_stamp "$constraints" pyproject.toml scripts/setup.sh scripts/_venv.sh scripts/pipconf.py)
 if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_BUILD" ]; then
     echo "$venv is up to date: $(summary)"
     exit 0
 fi
+if [ -n "${SHIM_RESOLVE:-}" ] && [ -x "$venv/bin/python" ] && [ "$(_torch_of "$venv")" != "$SHIM_TORCH_BUILD" ]; then
+    rm -rf "$venv"  # the latest cell, and a torch released since it was built: built again from scratch
+fi
 make_venv "$venv"
+lift_torch_cap "$venv"
 install_torch "$venv" "$constraints"
 venv_excludes "$venv"
 venv_install "$venv" -e ".[test]" -c "$constraints" ${EXCLUDE_ARGS[@]+"${EXCLUDE_ARGS[@]}"}

@@ -93,3 +93,70 @@ def test_a_cell_built_without_a_dependency_passes_uv_an_excludes_file(tmp_path):
         text=True,
     )
     assert refused.returncode == 1 and "needs uv" in refused.stderr
+
+
+def venv_sh(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` run by bash after sourcing scripts/_venv.sh, with ``args`` as $1..."""
+    return subprocess.run(
+        ["bash", "-c", f'set -e\nsource "{ROOT}/scripts/_venv.sh"\n{script}', "-", *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+
+
+@pytest.mark.parametrize(
+    "first_line, torch, build",
+    [
+        ("torch==2.13.0", "torch==2.13.0", "2.13.0+cpu"),  # the default: the CPU build, as ever
+        ("# no torch line", "torch==2.13.0", "2.13.0+cpu"),
+        ("torch==2.15.0", "torch==2.15.0", "2.15.0"),  # a torch cell: that release, as the index has it
+        ("torch == 2.14.1", "torch==2.14.1", "2.14.1"),
+    ],
+)
+def test_an_environment_gets_the_torch_its_constraints_pin(tmp_path, first_line, torch, build):
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(f"{first_line}\ntransformers==5.25.0\ntorchvision==0.29.1\n")
+    shown = venv_sh('torch_pin "$1"\necho "$SHIM_TORCH $SHIM_TORCH_BUILD"', str(constraints))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split() == [torch, build]
+
+
+@pytest.mark.parametrize("line", ["torch>=2.14", "torch", "torch==2.15.*"])
+def test_a_torch_line_that_is_no_exact_pin_stops_the_build(tmp_path, line):
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(f"{line}\n")
+    refused = venv_sh('torch_pin "$1"', str(constraints))
+    assert refused.returncode == 1 and "torch must be pinned exactly" in refused.stderr
+
+
+def test_pips_cap_on_torch_is_left_out_only_for_an_environment_that_pins_another_torch(tmp_path):
+    """A machine's pip configuration may cap torch (``torch<=2.14.1``); uv gets pip's constraint files
+    (scripts/pipconf.py). A torch cell's exact pin must win over that cap, nothing else of the file may
+    be lost, and the default build keeps the machine's files as they are."""
+    cap = tmp_path / "pip-constraints.txt"
+    cap.write_text("torch<=2.14.1\ntorchvision<=0.29.1\nnumpy<3\n")
+    script = (
+        'PIP_UV_ARGS=(--constraints "$1" --find-links /srv/wheels)\n'
+        'SHIM_UV=uv\ntorch_pin "$2"\nlift_torch_cap "$3"\nprintf "%s\\n" "${PIP_UV_ARGS[@]}"'
+    )
+    for pin, lifted in (("torch==2.13.0", False), ("torch==2.15.0", True)):
+        constraints = tmp_path / f"{pin}.txt"
+        constraints.write_text(f"{pin}\n")
+        out = tmp_path / pin
+        out.mkdir()
+        shown = venv_sh(script, str(cap), str(constraints), str(out))
+        assert shown.returncode == 0, shown.stderr
+        args = shown.stdout.splitlines()
+        assert args[2:] == ["--find-links", "/srv/wheels"]
+        if not lifted:
+            assert args[:2] == ["--constraints", str(cap)]
+            continue
+        assert args[0] == "--constraints" and args[1] != str(cap)
+        assert (tmp_path / args[1]).read_text() == "torchvision<=0.29.1\nnumpy<3\n"
+        assert f"pip's constraint on torch in {cap} is left out here: torch==2.15.0 is asked for" in shown.stderr
+
+    constraints = tmp_path / "pip.txt"
+    constraints.write_text("torch==2.15.0\n")
+    refused = venv_sh(script.replace("SHIM_UV=uv", "SHIM_UV="), str(cap), str(constraints), str(tmp_path))
+    assert refused.returncode == 1 and "needs uv" in refused.stderr
