@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""The version matrix: every patch tested on the transformers × trl (and peft) releases it targets.
+"""The version matrix: every patch tested on the transformers × trl (and peft, accelerate, torch) releases it targets.
 
 Each cell is one virtual environment, ``.venvs/<cell>`` (the default cell is ``.venv``), built by
 ``scripts/setup.sh`` from ``constraints/<cell>.txt`` exactly as a user builds the default one:
-torch 2.13.0 CPU first, then the shim and the pinned stack, with uv from one shared cache (cells
-are hard links of the same files). Builds run two at a time ahead of the tests (``--jobs``). In each
-cell the script runs tests (doctor-only edge cells excepted; outside the default cell each patch's
-own tests and the everyday workflows, :func:`matrixlib.runs.cell_tests`) and ``python -m shim doctor
---json-file``, saving doctor's table, its findings and the cell's versions under
-``doctor-reports/<cell>/``. Then it checks every patch's version gate against what doctor measured
-and regenerates the README's compatibility table.
+torch first (2.13.0 CPU; the torch cells pin 2.14.1 and 2.15.0), then the shim and the pinned stack,
+with uv from one shared cache (cells are hard links of the same files). Builds run two at a time ahead
+of the tests (``--jobs``). In each cell the script runs tests (doctor-only edge cells excepted; outside
+the default cell each patch's own tests and the everyday workflows, :func:`matrixlib.runs.cell_tests`,
+or the focused cell's own list) and ``python -m shim doctor --json-file``, saving doctor's table, its
+findings and the cell's versions under ``doctor-reports/<cell>/``. Then it checks every patch's version
+gate against what doctor measured, regenerates the README's compatibility table and the measured
+ranges the shim ships (``shim/measured.json``), and checks both against the files.
 
 The gate check, for every patch (a new patch is a new row, nothing to configure) and every cell:
 
@@ -19,20 +20,28 @@ The gate check, for every patch (a new patch is a new row, nothing to configure)
 * a gate's lower bound ``>=X`` above the oldest cell must be a cell's exact version, so the first
   release inside the gate is measured (edge cells exist for that: they run doctor only).
 
+The ``latest`` cell is built from the newest releases on the index when it runs (nothing pinned but the
+test tools): doctor and the checkpointing families, and the same gate check for it alone, printed as its
+verdict. It never fails the matrix and is in neither the README table nor ``shim/measured.json``: a new
+upstream release shows there the first day the matrix runs after it.
+
 Usage (stdlib only, any python3 >= 3.10; run from anywhere)::
 
     python3 scripts/matrix.py                      # every cell, then the gate check and README check
     python3 scripts/matrix.py tf5.0-trl0.29        # some cells (README check needs all reports)
+    python3 scripts/matrix.py latest               # the newest releases today: its verdict (exit 0)
+    python3 scripts/matrix.py --without latest     # every other cell (CI runs latest beside the e2e tests)
     python3 scripts/matrix.py --skip-suite default # CI: .ci/run's first line ran the default suite
     python3 scripts/matrix.py --doctor-only        # every cell, doctor but no suite: a quick gate check
     python3 scripts/matrix.py --report-only        # no runs: check and table from doctor-reports/
-    python3 scripts/matrix.py --write-readme       # rewrite the README table instead of checking it
+    python3 scripts/matrix.py --write-readme       # rewrite the README table and shim/measured.json
     python3 scripts/matrix.py --lock tf5.0-trl0.29 # re-resolve a cell's top pins, write full pins
     python3 scripts/matrix.py --jobs 0             # build each cell just before its tests (no overlap)
 
 The code is the package ``scripts/matrixlib/``, one module per job: ``cells`` (the cells and their
 builds), ``runs`` (suites and doctor in each cell), ``lock`` (``--lock``), ``gates`` (the gate
-check) and ``table`` (the README table). This file is the command line.
+check), ``table`` (the README table) and ``measured`` (``shim/measured.json``). This file is the
+command line.
 """
 
 from __future__ import annotations
@@ -49,11 +58,15 @@ HERE = str(Path(__file__).resolve().parent)
 if sys.path[:1] != [HERE]:
     sys.path.insert(0, HERE)
 
+from matrixlib import measured  # noqa: E402
 from matrixlib.cells import BY_NAME, CELLS, say  # noqa: E402
 from matrixlib.gates import check, load_reports  # noqa: E402
 from matrixlib.lock import lock  # noqa: E402
 from matrixlib.runs import run_cells  # noqa: E402
 from matrixlib.table import readme_block, render, write_readme  # noqa: E402
+
+#: The cells whose measurements decide: every cell but the latest (its verdict is printed, never failing).
+MEASURED = [cell for cell in CELLS if not cell.latest]
 
 
 def main(argv=None) -> int:
@@ -67,10 +80,21 @@ def main(argv=None) -> int:
         help="run doctor but not the suite in CELL (CI: the first line ran the default suite)",
     )
     parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        metavar="CELL",
+        help="leave CELL out (CI: the latest cell runs beside the end-to-end tests)",
+    )
+    parser.add_argument(
         "--doctor-only", action="store_true", help="run doctor but no suite in every cell (a quick gate check)"
     )
     parser.add_argument("--report-only", action="store_true", help="run nothing; check doctor-reports/")
-    parser.add_argument("--write-readme", action="store_true", help="rewrite the README table instead of checking it")
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="rewrite the README table and shim/measured.json instead of checking them",
+    )
     parser.add_argument("--lock", metavar="CELL", help="re-resolve CELL's top pins and write its full pins")
     parser.add_argument(
         "--jobs",
@@ -81,14 +105,16 @@ def main(argv=None) -> int:
         "suites and doctors run one cell at a time",
     )
     args = parser.parse_args(argv)
-    for name in args.cells + args.skip_suite + ([args.lock] if args.lock else []):
+    for name in args.cells + args.skip_suite + args.without + ([args.lock] if args.lock else []):
         if name not in BY_NAME:
             parser.error(f"unknown cell {name!r}; cells: {', '.join(BY_NAME)}")
     if args.lock:
+        if BY_NAME[args.lock].latest:
+            parser.error(f"{args.lock} is resolved from the newest releases whenever it runs: nothing to lock")
         lock(BY_NAME[args.lock])
         return 0
 
-    selected = [BY_NAME[n] for n in args.cells] if args.cells else list(CELLS)
+    selected = [cell for cell in ([BY_NAME[n] for n in args.cells] or CELLS) if cell.name not in args.without]
     records = []
     if not args.report_only:
         started = time.monotonic()
@@ -100,10 +126,15 @@ def main(argv=None) -> int:
         records = run_cells(selected, skips, args.jobs)
         total = time.monotonic() - started
 
-    reports = load_reports(CELLS)
+    if selected and all(cell.latest for cell in selected) and not args.report_only:
+        # Only the latest cell ran: its verdict is all there is to say, and it never fails.
+        latest_verdicts(records)
+        return 0
+
+    reports = load_reports(MEASURED)
     problems, notes = check(reports)
-    failed_cells = [r["cell"] for r in records if not r["ok"]]
-    missing = [c.name for c in CELLS if c.name not in reports]
+    failed_cells = [r["cell"] for r in records if not r["ok"] and not BY_NAME[r["cell"]].latest]
+    missing = [c.name for c in MEASURED if c.name not in reports]
 
     say("\n=== gate check (doctor verdict of every patch in every cell against its version gate)")
     for note in notes:
@@ -114,29 +145,33 @@ def main(argv=None) -> int:
         say(f"  every gate holds in {len(reports)} cells")
 
     table = render(reports)
-    readme_ok = True
+    ranges = measured.render(reports)
+    files_ok = True
     if missing:
-        say(f"\nREADME table not checked: no reports for {', '.join(missing)} (run all cells)")
+        say(f"\nREADME table and shim/measured.json not checked: no reports for {', '.join(missing)} (run all cells)")
     elif args.write_readme:
         write_readme(table)
-        say("\nREADME compatibility table rewritten from doctor-reports/")
+        measured.write(ranges)
+        say("\nREADME compatibility table and shim/measured.json rewritten from doctor-reports/")
     else:
-        current = readme_block()
-        readme_ok = current == table
-        if readme_ok:
-            say("\nREADME compatibility table matches what doctor measured")
-        else:
+        for what, current, now in (
+            ("README.md", readme_block(), table),
+            ("shim/measured.json", measured.current(), ranges),
+        ):
+            if current == now:
+                say(f"\n{what} matches what doctor measured")
+                continue
+            files_ok = False
             say(
-                "\nFAIL README compatibility table differs from what doctor measured "
+                f"\nFAIL {what} differs from what doctor measured "
                 "(python3 scripts/matrix.py --report-only --write-readme rewrites it):"
             )
             say(
                 "\n".join(
-                    difflib.unified_diff(
-                        (current or "").splitlines(), table.splitlines(), "README.md", "measured", lineterm=""
-                    )
+                    difflib.unified_diff((current or "").splitlines(), now.splitlines(), what, "measured", lineterm="")
                 )
             )
+    latest = latest_verdicts(records)
 
     if records:
         overlap = f"builds ran {args.jobs} at a time ahead of the tests" if args.jobs else "no builds ahead"
@@ -149,13 +184,37 @@ def main(argv=None) -> int:
                 f"{t.get('doctor', 0):>7.0f}  {'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}"
             )
         say(f"  matrix wall time {total:.0f}s")
-    bad = bool(failed_cells or problems or not readme_ok)
+    bad = bool(failed_cells or problems or not files_ok)
     if records:
-        # One plain closing line: cells that passed (setup, suite, doctor, gate check) and those that did not.
-        ran = {r["cell"] for r in records}
+        # One plain closing line: cells that passed (setup, suite, doctor, gate check) and those that did not;
+        # the latest cell's verdict after it, which never fails the matrix.
+        ran = {r["cell"] for r in records if not BY_NAME[r["cell"]].latest}
         failing = (set(failed_cells) | {cell for cell, _ in problems}) & ran
-        say(f"matrix: {len(ran - failing)} passed, {len(failing)} failed")
+        say(f"matrix: {len(ran - failing)} passed, {len(failing)} failed" + "".join(f"; {line}" for line in latest))
     return 1 if bad else 0
+
+
+def latest_verdicts(records: list) -> list[str]:
+    """Each latest cell that ran: its versions, its own gate check and its result, printed as a verdict
+    that never fails the matrix (one line each, returned for the closing line)."""
+    lines = []
+    for record in records:
+        cell = BY_NAME[record["cell"]]
+        if not cell.latest:
+            continue
+        report = load_reports([cell]).get(cell.name)
+        problems = [text for where, text in check({cell.name: report})[0] if where == cell.name] if report else []
+        versions = " | ".join(f"{d} {v}" for d, v in (report or {}).get("versions", {}).items() if v)
+        say(f"\n=== {cell.name} (the newest releases on the index today; its verdict never fails the matrix)")
+        say(f"  {versions or 'no doctor report'}")
+        for problem in problems:
+            say(f"  NEW {problem}")
+        ok = record["ok"] and report is not None and not problems
+        times = ", ".join(f"{k} {v:.0f}s" for k, v in record["times"].items())
+        verdict = "every gate holds, its tests pass" if ok else f"FAILED: see above and doctor-reports/{cell.name}"
+        say(f"  {cell.name}: {verdict} ({times})")
+        lines.append(f"{cell.name}: {'ok' if ok else 'FAILED'} (not failing the matrix)")
+    return lines
 
 
 if __name__ == "__main__":

@@ -21,12 +21,19 @@ class Cell:
     #: A focused cell (the default stack with one package changed): only these tests, instead of
     #: every patch's own (:func:`.runs.cell_tests`), the tests of the patches on that package.
     tests: tuple[str, ...] = ()
+    #: What the README table says the cell runs, for a focused cell whose tests are too many to name.
+    runs: str = ""
     #: Dependencies the cell is built without (``SHIM_EXCLUDE``, uv's ``--excludes``), each with why:
     #: a release that requires a package the package index cannot meet. The README table names them.
     without: tuple[tuple[str, str], ...] = ()
     #: Environment variables the cell's suite and doctor run with, each with why (the README table
     #: names them): how a release is used without a dependency left out above.
     env: tuple[tuple[str, str, str], ...] = ()
+    #: Built from the newest releases on the index when it runs (``constraints/<name>.txt`` names the
+    #: packages without pins; the build writes what it resolved to ``doctor-reports/<name>/resolved.txt``).
+    #: Its verdict is printed and never fails the matrix; it is not in the README table, the gate check
+    #: or the measured ranges: what it measures changes from day to day.
+    latest: bool = False
 
     @property
     def constraints(self) -> Path:
@@ -37,16 +44,39 @@ class Cell:
         return ROOT / (self.venv or f".venvs/{self.name}") / "bin" / "python"
 
 
+#: The checkpointing families' tests where torch is what changed: the path every layer's checkpoint function
+#: takes to ``torch.utils.checkpoint`` (the four patches in its slot, a ``torch.compile``-d class forward
+#: checkpointed as often as without the shim, counted outside compiled code), its gradient comparisons, and the
+#: two patches whose bug is torch's reentrant checkpoint itself (keyword tensors, frozen inputs). About 125 s on
+#: torch 2.15. The torch cells and the latest cell run them; each patch's own other tests depend on
+#: transformers, trl and peft, which these cells share with the default cell.
+CHECKPOINTING_TESTS = (
+    "tests/patches/test_checkpointing_path.py",
+    "tests/patches/test_checkpointing_gradients.py",
+    "tests/patches/test_reentrant_keyword_grads.py",
+    "tests/patches/test_reentrant_frozen_input_grads.py",
+)
+#: The do-no-harm workflows a new torch can change: ``torch.compile`` of the tiny models with the shim off and on
+#: (dynamo meets the shim's objects: 100 s on torch 2.15) and the everyday workflows (50 s). The newest torch runs
+#: them (torch2.15).
+COMPILE_TESTS = (
+    "tests/do_no_harm/test_do_no_harm.py::test_torch_compile_works_as_without_the_shim",
+    "tests/do_no_harm/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim",
+)
+
+
 #: The cells. Full cells run doctor and the cell's tests (:func:`.runs.cell_tests`). Edge cells run doctor only and sit on the first
 #: or last release line of a gate that no full cell measures: trl 0.26 (trl's positional re-enable starts), trl 0.28 (last
 #: line before trl 0.29 renames unwrap_model_for_generation), transformers 5.2 and 5.3 (the Trainer's DDP decision in
 #: _wrap_model, then in _build_accelerator_args), 5.16 (every_n_layers is sent), 5.22 and 5.23 (the Trainer path before
-#: activation_checkpointing_enable, and the override path after). peft0.20 is the default stack with peft 0.20.0, the last
-#: peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability). tf5.25 is the default stack with the
-#: newest transformers, built without ``kernels`` (5.25 requires kernels>=0.19.1, which the package index lacks), and
-#: accelerate1.16 the default stack with the newest accelerate: doctor and the tests of the one patch on accelerate
-#: (fsdp2-checkpoint-rng-state, whose gate accelerate>=1.8 is open above). edge-trl1.15 is the default stack with trl 1.15.0,
-#: the first trl with selective activation checkpointing (trl-selective-reaches-peft's gate).
+#: activation_checkpointing_enable, and the override path after). peft0.20 is the transformers 5.24 stack with peft 0.20.0,
+#: the last peft line before 0.21.0 fixed adapter trainability (peft-adapter-trainability). edge-trl1.15 is the
+#: transformers 5.24 stack with trl 1.15.0, the first trl with selective activation checkpointing (trl-selective-reaches-peft's
+#: gate). The default cell is the newest releases: transformers 5.25.0 with kernels 0.19.1 (from_pretrained's default
+#: use_kernels path), accelerate 1.16.0, on torch 2.13.0 (CPU). torch2.14 and torch2.15 are the default stack on torch
+#: 2.14.1 and 2.15.0 (PyPI's CUDA builds, run on the CPU): doctor and the checkpointing tests, and on the newest torch
+#: the do-no-harm workflows too (docs/testing.md says why these). latest is the newest release of everything, torch
+#: included, resolved when it runs: doctor and the checkpointing tests, its verdict printed, never failing.
 CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
@@ -61,20 +91,10 @@ CELLS = (
     Cell("edge-tf5.23", suite=False),
     Cell("edge-trl1.15", suite=False),
     Cell("peft0.20"),
-    Cell(
-        "tf5.25",
-        without=(("kernels", "transformers 5.25.0 requires kernels>=0.19.1,<0.20; the package index has <= 0.17.2"),),
-        env=(
-            (
-                "USE_HUB_KERNELS",
-                "NO",
-                "transformers' own switch: from_pretrained defaults to use_kernels=True from 5.25 and raises "
-                "ValueError('Kernels are not available') without kernels; the kernelized load is not measured",
-            ),
-        ),
-    ),
-    Cell("accelerate1.16", tests=("tests/patches/test_fsdp2_checkpoint_rng_state.py",)),
     Cell("default", venv=".venv"),
+    Cell("torch2.14", tests=CHECKPOINTING_TESTS, runs="doctor + checkpointing tests"),
+    Cell("torch2.15", tests=CHECKPOINTING_TESTS + COMPILE_TESTS, runs="doctor + checkpointing and do-no-harm tests"),
+    Cell("latest", tests=CHECKPOINTING_TESTS, runs="doctor + checkpointing tests", latest=True),
 )
 BY_NAME = {cell.name: cell for cell in CELLS}
 
@@ -115,6 +135,8 @@ def build(cell: Cell, out: Path) -> dict:
     """
     start = time.monotonic()
     env = build_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
+    if cell.latest:
+        env["SHIM_RESOLVE"] = str(out / "resolved.txt")
     with open(out / "setup.log", "w") as log:
         result = subprocess.run(
             ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .cells import DEFAULT, REPORTS, ROOT, Cell, build, run_env, say, show_build
 
-DISTRIBUTIONS = ("transformers", "trl", "peft", "accelerate", "torch")
+DISTRIBUTIONS = ("transformers", "trl", "peft", "accelerate", "kernels", "torch", "deepspeed")
 
 # Runs inside a cell: the installed versions and, per patch, what the engine's own gate decides,
 # for the patch and for each target that names its own requirement (``Target.requires``, where the

@@ -26,6 +26,8 @@ def cell_text(gate: dict, finding: dict, known: dict, cell: str) -> str:
 def runs_text(cell: Cell) -> str:
     if not cell.suite:
         return "doctor (gate edge)"
+    if cell.runs:
+        return cell.runs
     if cell.tests:
         return "doctor + " + ", ".join(f"`{test.rsplit('/', 1)[-1]}`" for test in cell.tests)
     return "suite + doctor"
@@ -45,14 +47,14 @@ def built_notes(cells: list[Cell]) -> list[str]:
 def render(reports: dict) -> str:
     order = sorted(
         reports,
-        key=lambda c: (version_key(reports[c]["versions"]["transformers"]), version_key(reports[c]["versions"]["trl"])),
+        key=lambda c: tuple(version_key(reports[c]["versions"].get(d)) for d in ("transformers", "trl", "torch")),
     )
     known = known_unfixed()
     lines = [
         "Measured by `python -m shim doctor` in each cell of the matrix (`python3 scripts/matrix.py`):",
         "",
-        "| cell | transformers | trl | peft | accelerate | torch | runs |",
-        "|---|---|---|---|---|---|---|",
+        "| cell | transformers | trl | peft | accelerate | kernels | torch | runs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for cell in order:
         v = reports[cell]["versions"]
@@ -60,7 +62,7 @@ def render(reports: dict) -> str:
         runs = runs_text(declared) + (" (note below)" if declared.without or declared.env else "")
         lines.append(
             f"| `{cell}` | {v['transformers']} | {v['trl']} | {v['peft'] or '-'} | "
-            f"{v['accelerate'] or '-'} | {v['torch']} | {runs} |"
+            f"{v['accelerate'] or '-'} | {v.get('kernels') or '-'} | {v['torch']} | {runs} |"
         )
     lines += ["", "| patch | gate | " + " | ".join(f"`{c}`" for c in order) + " |", "|---|---|" + "---|" * len(order)]
     names = list(dict.fromkeys(p["name"] for c in order for p in reports[c]["patches"]))

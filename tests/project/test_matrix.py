@@ -6,6 +6,7 @@ write, so these tests pin down which measurements make CI fail.
 
 import ast
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -23,8 +24,8 @@ matrix = importlib.util.module_from_spec(spec)
 sys.modules["shim_matrix"] = matrix
 spec.loader.exec_module(matrix)  # the command line puts scripts/ on sys.path and imports its package
 # Where the code lives (scripts/matrixlib/); a value is patched on the module that reads it.
-cells, gates, runs, table = (
-    importlib.import_module(f"matrixlib.{name}") for name in ("cells", "gates", "runs", "table")
+cells, gates, runs, table, measured = (
+    importlib.import_module(f"matrixlib.{name}") for name in ("cells", "gates", "runs", "table", "measured")
 )
 
 
@@ -194,12 +195,36 @@ def test_new_patches_are_new_rows_and_the_readme_block_round_trips(tmp_path, mon
 
 
 def test_every_cell_has_a_constraints_file_pinning_torch_first():
+    """torch 2.13.0 (the CPU build) everywhere but in the torch cells, which pin the release they are named
+    after, and the latest cell, which names the packages it takes the newest releases of."""
+    torch_cells = [cell.name for cell in cells.CELLS if cell.name.startswith("torch")]
+    assert torch_cells == ["torch2.14", "torch2.15"]
     for cell in cells.CELLS:
         lines = [line for line in cell.constraints.read_text().splitlines() if line and not line.startswith("#")]
-        assert lines[0] == "torch==2.13.0", cell.name
+        if cell.latest:
+            assert lines[0] == "torch" and {"transformers", "trl", "peft", "accelerate"} <= set(lines), cell.name
+            assert not any("==" in line for line in lines if line.split("==")[0] in ("transformers", "trl", "peft"))
+            continue
+        if cell.name in torch_cells:
+            assert lines[0] == {"torch2.14": "torch==2.14.1", "torch2.15": "torch==2.15.0"}[cell.name]
+        else:
+            assert lines[0] == "torch==2.13.0", cell.name
         assert any(line.startswith("transformers==") for line in lines) and any(
             line.startswith("trl==") for line in lines
         )
+
+
+def test_the_torch_cells_are_the_default_stack_on_another_torch():
+    def pins(name):
+        top = cells.BY_NAME[name].constraints.read_text().split("# --- locked")[0]
+        return {line.split("==")[0]: line for line in top.splitlines() if "==" in line and not line.startswith("#")}
+
+    default = pins("default")
+    assert default["transformers"] == "transformers==5.25.0" and default["kernels"] == "kernels==0.19.1"
+    for name in ("torch2.14", "torch2.15"):
+        assert {k: v for k, v in pins(name).items() if k != "torch"} == {
+            k: v for k, v in default.items() if k != "torch"
+        }
 
 
 def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
@@ -229,8 +254,8 @@ def test_a_cell_built_without_a_dependency_says_so_and_how_it_runs(monkeypatch):
     assert cells.build_env(lean)["SHIM_EXCLUDE"] == "kernels" and "SHIM_EXCLUDE" not in cells.build_env(focused)
     assert cells.run_env(lean)["USE_X"] == "NO"
     rendered = table.render({"lean": report("5.1.0", "fixed"), "focused": report("5.0.0", "fixed")})
-    assert "| `lean` | 5.1.0 | 1.0.0 | 0.21.2 | 1.15.0 | 2.13.0 | suite + doctor (note below) |" in rendered
-    assert "| `focused` | 5.0.0 | 1.0.0 | 0.21.2 | 1.15.0 | 2.13.0 | doctor + `test_demo.py` |" in rendered
+    assert "| `lean` | 5.1.0 | 1.0.0 | 0.21.2 | 1.15.0 | - | 2.13.0 | suite + doctor (note below) |" in rendered
+    assert "| `focused` | 5.0.0 | 1.0.0 | 0.21.2 | 1.15.0 | - | 2.13.0 | doctor + `test_demo.py` |" in rendered
     assert rendered.endswith(
         "\n\n*`lean`*: built without `kernels` (the index lacks it); run with `USE_X=NO` (x's switch)."
     )
@@ -264,3 +289,55 @@ def test_the_matrix_needs_only_the_standard_library():
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top in ("__future__", "matrixlib"), f"{path.name}: {name}"
+
+
+def test_the_measured_ranges_are_the_oldest_and_newest_release_of_each_gated_distribution_and_torch():
+    reports = {"old": report("4.57.6", "not affected"), "new": report("5.25.0", "fixed")}
+    reports["new"]["versions"]["torch"] = "2.15.0"  # a torch cell
+    reports["old"]["versions"]["torch"] = "2.13.0+cpu"  # the CPU build is measured as its release
+    reports["new"]["patches"].append(dict(reports["new"]["patches"][0], name="ds", distribution="deepspeed"))
+    ranges = measured.ranges(reports)
+    assert ranges["oldest"]["transformers"] == "4.57.6" and ranges["newest"]["transformers"] == "5.25.0"
+    assert ranges["oldest"]["torch"] == "2.13.0" and ranges["newest"]["torch"] == "2.15.0"
+    # DeepSpeed is in no cell: the end-to-end environments' pins are its measurements.
+    pins = sorted(
+        line.split("==")[1].strip()
+        for path in (ROOT / "constraints").glob("e2e*.txt")
+        for line in path.read_text().splitlines()
+        if line.startswith("deepspeed==")
+    )
+    assert set(ranges["newest"]) == {"transformers", "torch", "deepspeed"}  # what the made-up patches gate on
+    assert ranges["newest"]["deepspeed"] == pins[-1] and ranges["oldest"]["deepspeed"] == pins[0]
+    assert json.loads(measured.render(reports))["newest"] == ranges["newest"]
+
+
+def test_the_latest_cell_is_measured_nowhere_and_its_verdict_never_fails(tmp_path, monkeypatch, capsys):
+    latest = cells.BY_NAME["latest"]
+    assert latest.latest and latest not in matrix.MEASURED
+    assert [cell.name for cell in cells.CELLS if cell.latest] == ["latest"]
+    assert latest.tests == cells.CHECKPOINTING_TESTS
+    assert "SHIM_RESOLVE" not in cells.build_env(latest)  # set by build(), to the cell's report folder
+
+    # A latest cell whose newest transformers no longer shows a bug inside the gate: printed, not failing.
+    monkeypatch.setattr(gates, "REPORTS", tmp_path)
+    (tmp_path / "latest").mkdir()
+    made_up = report("5.26.0", "not reproduced")
+    (tmp_path / "latest" / "cell.json").write_text(json.dumps({k: made_up[k] for k in ("versions", "patches")}))
+    (tmp_path / "latest" / "doctor.json").write_text(json.dumps(list(made_up["findings"].values())))
+    record = dict(cell="latest", ok=True, times={"setup": 2.0, "suite": 120.0, "doctor": 25.0}, note="")
+    assert matrix.latest_verdicts([record]) == ["latest: FAILED (not failing the matrix)"]
+    shown = capsys.readouterr().out
+    assert "transformers 5.26.0" in shown and "NEW demo in latest: transformers 5.26.0 is inside" in shown
+
+    (tmp_path / "latest" / "doctor.json").write_text(json.dumps([dict(made_up["findings"]["demo"], verdict="fixed")]))
+    assert matrix.latest_verdicts([record]) == ["latest: ok (not failing the matrix)"]
+
+
+def test_the_torch_cells_and_the_latest_cell_name_what_they_run_in_the_table():
+    rendered = table.render({"torch2.15": report("5.25.0", "fixed"), "default": report("5.25.0", "fixed")})
+    assert (
+        "| `torch2.15` | 5.25.0 | 1.0.0 | 0.21.2 | 1.15.0 | - | 2.13.0 | doctor + checkpointing and do-no-harm tests |"
+        in rendered
+    )
+    for name in ("torch2.14", "torch2.15", "latest"):
+        assert all((ROOT / test.split("::")[0]).exists() for test in cells.BY_NAME[name].tests), name
