@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import json
+import os
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -84,6 +86,43 @@ def decide(distribution: str, specifier: SpecifierSet) -> GateDecision:
     admitted = specifier.contains(gated_as, prereleases=True)
     verdict = "inside" if admitted else "outside"
     return GateDecision(admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {specifier}")
+
+
+# -- the releases the shim was measured on ---------------------------------------------------------
+
+#: Beside this module: the oldest and newest release of each patched distribution (and torch) that the
+#: version matrix measured, written by ``scripts/matrix.py``. Read when a status or doctor asks, never
+#: at ``import shim``.
+MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
+
+
+@functools.cache
+def newest_measured() -> dict[str, str]:
+    """``{distribution: the newest release measured}``; empty when the file is missing or unreadable
+    (a copy of the shim without it says nothing, rather than something wrong)."""
+    try:
+        with open(MEASURED, encoding="utf-8") as file:
+            newest = json.load(file)["newest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(newest, dict):
+        return {}
+    return {str(name): str(release) for name, release in newest.items()}
+
+
+def newer_than_measured(distribution: str) -> str | None:
+    """A sentence when the installed ``distribution``, gated as its release (see the module
+    docstring), is newer than the newest release the matrix measured it on; else ``None``."""
+    newest = newest_measured().get(distribution)
+    installed = installed_version(distribution)
+    if newest is None or installed is None:
+        return None
+    try:
+        if Version(Version(installed).base_version) <= Version(newest):
+            return None
+    except InvalidVersion:
+        return None
+    return f"{distribution} {installed} is newer than the newest release measured ({newest})"
 
 
 # -- whether a patch applies -----------------------------------------------------------------------

@@ -62,6 +62,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         patch: Patch | None = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
         patch, reason = None, f"{reason}; the patch module cannot be imported: {exc!r}"
+    reason = "; ".join([reason, *newer_than_measured(declared.distribution, patch)])
     return PatchStatus(
         name=declared.name,
         state=state,
@@ -75,6 +76,22 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         last_effect=runtime.last(declared.name),
         others=others,
     )
+
+
+#: What a status reason adds after the sentence of :func:`shim.gating.newer_than_measured`.
+RUN_DOCTOR = "run `python -m shim doctor`"
+
+
+def newer_than_measured(distribution: str, patch: Patch | None) -> list[str]:
+    """For the patch's distribution and those its targets require: where the installed release is
+    newer than any the matrix measured, a sentence that says so and what to run."""
+    from .gating import newer_than_measured as newer
+
+    names = [distribution]
+    if patch is not None:
+        names += [t.requirement.name for t in patch.targets if t.requirement is not None]
+    notes = (newer(name) for name in dict.fromkeys(names))
+    return [f"{note}: {RUN_DOCTOR}" for note in notes if note]
 
 
 def links(references: Iterable[str]) -> tuple[str, ...]:

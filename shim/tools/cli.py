@@ -125,7 +125,19 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
         print(json.dumps([record.as_dict() for record in records], indent=2))
     else:
         print(status_table(records, wide=args.wide))
+        for note in newer_than_measured():
+            print("\n" + (note if args.wide else textwrap.fill(note, WIDTH, subsequent_indent="  ")))
     return 0
+
+
+def newer_than_measured() -> list[str]:
+    """Below the status table, once per distribution (the reasons above say it per patch): each
+    installed release newer than the newest the shim was measured on."""
+    from .. import gating
+    from ..records import RUN_DOCTOR
+
+    notes = (gating.newer_than_measured(name) for name in gating.newest_measured())
+    return [f"note: {note}: {RUN_DOCTOR}" for note in notes if note]
 
 
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:

@@ -156,8 +156,22 @@ def peft_note(transformers: str | None, peft: str | None, minimum: str | None) -
     )
 
 
+def newer_notes() -> list[str]:
+    """A line for each installed distribution newer than the newest release the shim was measured on
+    (``shim/measured.json``, written by the version matrix): doctor's table is then the first
+    measurement of it."""
+    notes = (gating.newer_than_measured(name) for name in gating.newest_measured())
+    return [
+        f"{note}: the verdicts above are the first measurement of it; a NOT FIXED or check error there is "
+        "worth a bug report (python -m shim --version, python -m shim doctor)"
+        for note in notes
+        if note
+    ]
+
+
 def notes() -> list[str]:
-    """Incompatibilities between the installed releases that doctor points out below its table."""
+    """What doctor points out below its table: releases newer than any the shim was measured on, and
+    incompatibilities between the installed releases."""
     try:
         from transformers.integrations import peft as integration
 
@@ -165,4 +179,4 @@ def notes() -> list[str]:
     except Exception:  # not installed, or a release without the constant: nothing to say
         minimum = None
     note = peft_note(gating.installed_version("transformers"), gating.installed_version("peft"), minimum)
-    return [note] if note else []
+    return newer_notes() + ([note] if note else [])

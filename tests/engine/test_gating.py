@@ -4,6 +4,7 @@
 import importlib
 import importlib.abc
 import importlib.util
+import json
 import logging
 import sys
 import types
@@ -136,3 +137,64 @@ def test_probe_reason_is_shown(fake_modules):
     registry.activate()
     importlib.import_module(f"{pkg}.target")
     assert state(registry) == (SKIPPED, f"signature changed: f(y) ({pkg} 1.2.0 is inside >=1.0)")
+
+
+# -- newer than measured ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """``shim/measured.json`` replaced by one that says ``{distribution: newest}``."""
+
+    def write(newest):
+        path = tmp_path / "measured.json"
+        path.write_text(json.dumps({"about": "test", "oldest": newest, "newest": newest}))
+        monkeypatch.setattr(gating, "MEASURED", str(path))
+        gating.newest_measured.cache_clear()
+
+    yield write
+    gating.newest_measured.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "installed, newest, said",
+    [
+        ("99.0.0", "5.25.0", "newdist 99.0.0 is newer than the newest release measured (5.25.0)"),
+        ("5.26.0.dev0", "5.25.0", "newdist 5.26.0.dev0 is newer than the newest release measured (5.25.0)"),
+        ("5.25.0", "5.25.0", None),
+        ("5.25.0.dev0", "5.25.0", None),  # gated as 5.25.0, as the gates read it
+        ("5.25.0+local", "5.25.0", None),
+        ("4.57.6", "5.25.0", None),
+    ],
+)
+def test_a_release_newer_than_the_newest_measured_is_said(measured, monkeypatch, installed, newest, said):
+    monkeypatch.setitem(sys.modules, "newdist", types.SimpleNamespace(__version__=installed))
+    measured({"newdist": newest})
+    assert gating.newer_than_measured("newdist") == said
+
+
+def test_nothing_is_said_without_a_measurement_or_an_installed_release(measured, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "newdist", types.SimpleNamespace(__version__="99.0"))
+    measured({"otherdist": "1.0"})
+    assert gating.newer_than_measured("newdist") is None  # never measured: nothing to compare with
+    measured({"newdist": "1.0"})
+    monkeypatch.setitem(sys.modules, "newdist", None)  # not installed
+    assert gating.newer_than_measured("newdist") is None
+    monkeypatch.setattr(gating, "MEASURED", str(tmp_path / "missing.json"))
+    gating.newest_measured.cache_clear()
+    assert gating.newest_measured() == {}
+
+
+def test_a_status_reason_says_when_the_release_is_newer_than_measured(fake_modules, measured, monkeypatch):
+    """Every state, the note after the reason; never an error, not even in strict mode."""
+    pkg = fake_modules(target=TARGET)
+    importlib.import_module(f"{pkg}.target")
+    monkeypatch.setenv("SHIM_STRICT", "1")
+    measured({pkg: "1.0.0"})
+    registry = Registry([make_patch(pkg, name="inside"), make_patch(pkg, name="outside", requires="<1.0")])
+    registry.activate()
+    note = f"{pkg} 1.2.0 is newer than the newest release measured (1.0.0): run `python -m shim doctor`"
+    assert state(registry, "inside") == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0; {note}")
+    assert state(registry, "outside") == (SKIPPED, f"{pkg} 1.2.0 is outside <1.0; {note}")
+    measured({pkg: "1.2.0"})
+    assert state(registry, "inside") == (APPLIED, f"{pkg} 1.2.0 is inside >=1.0")

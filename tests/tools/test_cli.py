@@ -1,6 +1,7 @@
 """``python -m shim`` as a stranger meets it: help, a table that fits, doctor without the libraries."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -90,3 +91,61 @@ def test_doctor_json_file_holds_the_records_of_doctor_json_beside_the_printed_ta
     header = table.splitlines()[0].split()
     assert header[:2] == ["patch", "installed"] and header[-1] == "verdict"
     assert table == run_python(BLOCKED.format(args=["doctor"])).stdout  # the table as doctor prints it
+
+
+def test_a_release_newer_than_any_measured_is_said_in_the_reasons_and_below_the_table(tmp_path):
+    """transformers' metadata says 99.0.0 (a dist-info ahead of the installed one on sys.path: the version
+    the gates read before transformers is imported): every patch on transformers says so in its reason,
+    and ``python -m shim`` once below its table, with what to run. Nothing fails: exit 0."""
+    newest = json.loads((ROOT / "shim" / "measured.json").read_text())["newest"]["transformers"]
+    dist_info = tmp_path / "transformers-99.0.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.0.0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
+    env |= {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHIM_STRICT": "1"}
+    note = f"transformers 99.0.0 is newer than the newest release measured ({newest}): run `python -m shim doctor`"
+
+    def shim_cli(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "shim", *args], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    shown = shim_cli("--json")
+    records = {record["name"]: record for record in json.loads(shown)}
+
+    def gated_on(name):  # the patch's distribution and those its targets require
+        patch = shim.registry.patch(name)
+        return {patch.distribution} | {t.requirement.name for t in patch.targets if t.requirement is not None}
+
+    said = {name for name, record in records.items() if note in record["reason"]}
+    assert said == {name for name in records if "transformers" in gated_on(name)}
+    assert len(said) >= 10
+
+    table = shim_cli()
+    assert " ".join(table.split()).endswith(f"note: {note}")
+    assert all(len(line) <= WIDTH for line in table.splitlines())
+
+
+def test_the_shipped_measured_ranges_cover_every_patched_distribution():
+    """``shim/measured.json`` (written by ``python3 scripts/matrix.py --write-readme``) ships with the package
+    and names the newest release measured of every distribution a patch is gated on."""
+    measured = json.loads((ROOT / "shim" / "measured.json").read_text())
+    assert {row["distribution"] for row in catalogue.INDEX} | {"torch"} <= set(measured["newest"])
+    from shim import gating
+
+    assert gating.newest_measured() == measured["newest"]
+
+
+def test_import_shim_does_not_read_the_measured_ranges_a_status_does():
+    code = """
+    import json, sys
+    opened = []
+    sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("measured.json") and opened.append(1))
+    import shim
+    at_import = len(opened)
+    shim.status()
+    print(json.dumps([at_import, len(opened)]))
+    """
+    assert json.loads(run_python(code).stdout.strip().splitlines()[-1]) == [0, 1]

@@ -36,7 +36,7 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
 
     from shim.selfcheck.models import tiny_llama_config
 
-    notes = doctor.notes()
+    notes = [note for note in doctor.notes() if note not in doctor.newer_notes()]
     if Version(peft.__version__) >= Version(MIN_PEFT_VERSION):
         assert notes == []
         return
@@ -142,3 +142,27 @@ def test_a_json_file_that_cannot_be_written_fails_before_the_run_with_exit_2(tmp
         f"python -m shim doctor: error: --json-file {target}: No such file or directory"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_doctor_says_which_installed_releases_are_newer_than_any_measured(monkeypatch, tmp_path):
+    """Below doctor's table, once per distribution newer than the newest release measured
+    (``shim/measured.json``): its table is then the first measurement of it."""
+    from shim import gating
+
+    installed = {name: gating.installed_version(name) for name in ("transformers", "torch")}
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"newest": {"transformers": "5.0.0", "torch": "99.0.0", "peft": "0.1.0"}}))
+    monkeypatch.setattr(gating, "MEASURED", str(measured))
+    gating.newest_measured.cache_clear()
+    try:
+        notes = doctor.newer_notes()
+        assert [note.split(" is newer")[0] for note in notes] == [f"transformers {installed['transformers']}"] + (
+            [f"peft {gating.installed_version('peft')}"] if HAS_PEFT else []
+        )
+        assert notes[0].startswith(
+            f"transformers {installed['transformers']} is newer than the newest release measured (5.0.0): "
+        )
+        assert "the verdicts above are the first measurement of it" in notes[0]
+        assert notes == doctor.notes()[: len(notes)]
+    finally:
+        gating.newest_measured.cache_clear()
