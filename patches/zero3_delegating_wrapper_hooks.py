@@ -20,6 +20,8 @@ Full story, versions measured and references: docs/bugs.md#zero3-delegating-wrap
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 
 from shim import Patch, SameFix, Target, record_effect
@@ -27,6 +29,7 @@ from shim import Patch, SameFix, Target, record_effect
 from ._arguments import argument, leading_parameters
 
 NAME = "zero3-delegating-wrapper-hooks"
+OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 HOOK_CLASSES = ("pre_bwd_fn", "post_bwd_fn")
 COUNTER = "applied_pre_backward_ref_cnt"
 _module_getattr = None  # torch.nn.Module.__getattr__, bound on first use
@@ -104,6 +107,18 @@ def _settle_forwarding(forwarding: list) -> None:
             )
 
 
+def _upstream_fix() -> str | None:
+    """DeepSpeed's own fix (deepspeedai/DeepSpeed#8144, in 0.19.3): ``_register_deepspeed_module`` looks for a
+    module's hook classes in its ``__dict__`` (0.19.2: ``hasattr``, which a forwarding ``__getattr__``
+    answers). Read from the method's code, unwrapped; a git build labelled 0.19.3 from before the fix lacks it."""
+    offload = getattr(sys.modules.get(OFFLOAD), "DeepSpeedZeRoOffload", None)
+    method = getattr(offload, "__dict__", {}).get("_register_deepspeed_module")
+    code = getattr(inspect.unwrap(method), "__code__", None) if method is not None else None
+    if code is not None and "__dict__" in code.co_names and HOOK_CLASSES[0] in code.co_consts:
+        return f"{OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module reads module.__dict__ (deepspeedai/DeepSpeed#8144)"
+    return None
+
+
 def _self_check() -> bool:
     """True when one ZeRO-3 rank dies with ``AttributeError: ... 'ds_grads_remaining'`` on a Linear inside
     a wrapper that forwards unknown attributes to it. Runs in a child process (see ``_deepspeed_cases``)."""
@@ -120,7 +135,7 @@ PATCH = Patch(
     requires="<0.19.3",
     targets=(
         Target(
-            "deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload._register_deepspeed_module",
+            f"{OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
             _register_deepspeed_module,
             probe=lambda original: leading_parameters(original, ("self", "module")),
         ),
@@ -139,4 +154,5 @@ PATCH = Patch(
         "deepspeedai/DeepSpeed#7203",
     ),
     self_check=_self_check,
+    upstream_fix=_upstream_fix,
 )

@@ -178,6 +178,16 @@ def _probe_fetch(original):
     return None
 
 
+def _upstream_fix() -> str | None:
+    """DeepSpeed's own fix (deepspeedai/DeepSpeed#8148, in 0.19.3): the coordinator module attributes the
+    frozen parameters a recomputation fetches to the module whose backward runs, in
+    ``update_recompute_parameters``. A git build labelled 0.19.3 from before the fix merged lacks it."""
+    namespace = sys.modules.get(COORDINATOR)
+    if namespace is not None and callable(getattr(namespace, "update_recompute_parameters", None)):
+        return f"{COORDINATOR}.update_recompute_parameters (deepspeedai/DeepSpeed#8148)"
+    return None
+
+
 # -- self-check ------------------------------------------------------------------------------
 
 
@@ -210,4 +220,5 @@ PATCH = Patch(
         "huggingface/transformers#47254",
     ),
     self_check=_self_check,
+    upstream_fix=_upstream_fix,
 )

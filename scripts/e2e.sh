@@ -2,9 +2,10 @@
 # End-to-end tests (tests/e2e): DeepSpeed ZeRO-3 and DDP on two CPU ranks, real trl trainers, shim-run, each
 # run with the shim (or one patch) switched off (the bug) and on (the fix). Three environments, each built
 # with uv like .venv (scripts/_venv.sh; left as they are while their constraints and the scripts are
-# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test but liger's), .venvs/e2e-ds0.19.3
-# (constraints/e2e-ds0.19.3.txt, where DeepSpeed has its own fixes: doctor's verdict on both DeepSpeed
-# patches, and ZeRO-3 LoRA training with the patches out of their gate, as without checkpointing); and
+# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test but liger's), .venvs/e2e-ds0.19.8
+# (constraints/e2e-ds0.19.8.txt, DeepSpeed 0.19.8 on the default stack, where DeepSpeed has its own fixes:
+# doctor's verdict on both DeepSpeed patches, ZeRO-3 LoRA training with the patches out of their gate, as
+# without checkpointing, and a build labelled 0.19.3+git decided by the probe for the fix); and
 # .venvs/e2e-liger (constraints/e2e-liger.txt: the default stack with the real liger-kernel and the
 # triton it imports, ~1 GB installed; tests/e2e/test_liger_kernel.py, no DeepSpeed).
 # Usage: bash scripts/e2e.sh [pytest args]      (E2E_VENV=path to use another venv for the first one)
@@ -18,6 +19,7 @@ venv_tool
 build_cell() {  # build_cell VENV CONSTRAINTS PACKAGE...   (the stack's packages, beside the shim)
     local venv=$1 constraints=$2 stamp
     shift 2
+    torch_pin "$constraints"
     stamp=$(venv_stamp "$constraints" pyproject.toml scripts/e2e.sh scripts/_venv.sh scripts/pipconf.py)
     if venv_is_current "$venv" "$stamp" && [ "$(_torch_of "$venv")" = "$SHIM_TORCH_BUILD" ]; then
         return 0
@@ -53,10 +55,10 @@ print('e2e:', ' | '.join(filter(None, map(has, ('torch', 'deepspeed', 'liger-ker
 
 first=${E2E_VENV:-.venvs/e2e}
 build_cell "$first" constraints/e2e.txt deepspeed
-build_cell .venvs/e2e-ds0.19.3 constraints/e2e-ds0.19.3.txt deepspeed
+build_cell .venvs/e2e-ds0.19.8 constraints/e2e-ds0.19.8.txt deepspeed
 build_cell .venvs/e2e-liger constraints/e2e-liger.txt liger-kernel triton
 [ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0
 run_cell "$first" tests/e2e --ignore tests/e2e/test_liger_kernel.py "$@"
-run_cell .venvs/e2e-ds0.19.3 tests/e2e --ignore tests/e2e/test_liger_kernel.py \
-    -k "zero3_doctor_self_checks or zero3_default_checkpointing_trains" "$@"
+run_cell .venvs/e2e-ds0.19.8 tests/e2e --ignore tests/e2e/test_liger_kernel.py \
+    -k "zero3_doctor_self_checks or zero3_default_checkpointing_trains or labelled_0_19_3" "$@"
 run_cell .venvs/e2e-liger tests/e2e/test_liger_kernel.py "$@"

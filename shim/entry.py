@@ -205,7 +205,7 @@ class Entry:
             patch = self.load()
         except Exception as exc:
             return self._problem(FAILED, f"the patch module cannot be imported: {exc!r}")
-        self.gate = gating.gate(self.declared, forced)
+        self.gate = gating.between_releases(gating.gate(self.declared, forced), patch)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip, None  # outside its gate is never a problem, not even in strict mode
         self.blocked_by = []

@@ -145,6 +145,22 @@ def gate(declared: Declared, forced: bool) -> Gate:
     return Gate(decision, decision.reason, decision.reason)
 
 
+def between_releases(decision: Gate, patch: Patch) -> Gate:
+    """A build between releases that the gate leaves out (a version with a local, dev or pre-release
+    part, gated as its release): where the patch looks for upstream's fix (``Patch.upstream_fix``),
+    what it finds decides, not the version alone. Called with the patch's target modules imported."""
+    found = decision.decision
+    if decision.skip is None or patch.upstream_fix is None or found.gated_as in (None, found.installed):
+        return decision
+    try:
+        fix = patch.upstream_fix()
+    except Exception as exc:  # the release decides, as without the probe
+        return Gate(found, f"{decision.skip}; looking for upstream's fix raised {exc!r}", decision.reason)
+    if fix:
+        return Gate(found, f"{decision.skip}; this build has upstream's fix: {fix}", decision.reason)
+    return Gate(found, None, f"{found.reason}, but this build between releases lacks upstream's fix")
+
+
 def pending(declared: Declared, reason: str, forced: bool) -> tuple[bool, str, str | None]:
     """How a patch still pending shows (skipped?, reason, installed version), in ``shim.status()``
     and in the log alike: outside its gate it is skipped, even where its target module does not

@@ -134,7 +134,11 @@ class Patch:
     ``after`` names the patches whose layers this one's sit outside of where both wrap the same
     target: the stacking order, explicit wherever two patches share a target.
     ``same_fix`` lists other patchers known to fix the same bug (:class:`SameFix`): status names
-    them where they are on.
+    them where they are on. ``upstream_fix()`` looks for upstream's own fix in the installed code
+    and returns what shows it is there, or ``None``; it decides for a build between releases that
+    the gate leaves out (``0.19.3+6a8f0e2`` is gated as 0.19.3, the first release with the fix, but a
+    git build from before the fix merged lacks it): without the fix found the patch applies. It runs
+    when a target module is imported and reads only what is imported.
     """
 
     name: str
@@ -147,6 +151,7 @@ class Patch:
     consumers: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     same_fix: tuple[SameFix, ...] = ()
+    upstream_fix: Callable[[], str | None] | None = None
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +163,8 @@ class Patch:
             raise ValueError(f"patch {self.name!r}: after= must be a tuple of patch names, not {self.after!r}")
         if not all(isinstance(same, SameFix) for same in self.same_fix):
             raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
+        if self.upstream_fix is not None and not callable(self.upstream_fix):
+            raise TypeError(f"patch {self.name!r}: upstream_fix= must be a callable () -> what shows the fix, or None")
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))
         except InvalidSpecifier as exc:

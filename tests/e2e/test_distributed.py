@@ -6,7 +6,8 @@ bug is shown with the one patch switched off (``shim.disabled(<patch>)`` around 
 the fix with it on. The cases run in a few launches of ``torchrun --nproc_per_node 2`` (tests/e2e/launch.py),
 each in a subprocess with a hard timeout; the GKD example runs in launches of its own. ``bash scripts/e2e.sh``
 runs this module in the e2e environment (DeepSpeed 0.19.2) and its ``zero3`` tests again in the DeepSpeed
-0.19.3 environment, where the two DeepSpeed patches are skipped (outside their gate) and the runs pass.
+0.19.8 environment, where the two DeepSpeed patches are skipped (outside their gate, the fixes shipped in
+0.19.3) and the runs pass.
 """
 
 from __future__ import annotations
@@ -275,3 +276,42 @@ def test_zero3_doctor_self_checks(tmp_path):
             assert findings[name]["state"] == "skipped" and findings[name]["verdict"] == "not affected", findings
         else:
             assert findings[name]["verdict"] == "fixed", findings[name]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A DeepSpeed build between releases: a git build labelled 0.19.3 (gated as 0.19.3, outside the patches'
+# gate) from before the fixes merged lacks them; one from after has them. The probe for the fix decides.
+
+GIT_BUILD = "0.19.3+6a8f0e2"
+
+
+def test_a_deepspeed_build_labelled_0_19_3_is_decided_by_the_probe_for_the_fix(tmp_path):
+    """DeepSpeed's metadata says 0.19.3+6a8f0e2 (a dist-info ahead of the installed one: the version the gates
+    read while deepspeed is still importing). On 0.19.2's code, a stand-in for a git build from 2026-06-16 to
+    07-22, which lacks both fixes: both patches apply, doctor says ``fixed`` (the bug shows with each off). On
+    0.19.3's code and later (here: the installed release): both are skipped, and the reason names the fix found."""
+    dist_info = tmp_path / "site" / f"deepspeed-{GIT_BUILD}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {GIT_BUILD}\n")
+    code = (
+        "import json, shim\n"
+        "import deepspeed  # its zero modules import before deepspeed.__version__ is set: the gates read the metadata\n"
+        f"deepspeed.__version__ = {GIT_BUILD!r}  # what the build says once imported\n"
+        "from shim.tools import doctor\n"
+        f"print(json.dumps([doctor.examine(shim.registry, name).as_dict() for name in {[FROZEN, DELEGATING]!r}]))\n"
+    )
+    env = environment() | {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=2 * ZERO3_TIMEOUT
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    findings = {finding["name"]: finding for finding in json.loads(done.stdout.strip().splitlines()[-1])}
+    for name, fix in ((FROZEN, "#8148"), (DELEGATING, "#8144")):
+        finding = findings[name]
+        assert finding["installed"] == GIT_BUILD, finding
+        if DEEPSPEED_FIXED:
+            assert (finding["state"], finding["verdict"]) == ("skipped", "not affected"), finding
+            assert "this build has upstream's fix" in finding["detail"] and fix in finding["detail"], finding
+        else:
+            assert (finding["state"], finding["verdict"]) == ("applied", "fixed"), finding
+            assert "this build between releases lacks upstream's fix" in finding["detail"], finding
