@@ -26,6 +26,7 @@ layer is given one again.
 
 from __future__ import annotations
 
+import functools
 import graphlib
 import sys
 import weakref
@@ -71,6 +72,7 @@ class _Path:
         self.steps: dict[str, Step] = {}
         self.generation = 0
         self._ordered: list[tuple[Step, Any]] | None = None
+        self._told: list[tuple[Callable[[Any, Any], None], Any]] = []  # (given, switch), in order
 
     def declare(self, step: Step) -> None:
         self.steps[step.name] = step  # a module imported again declares its step again
@@ -98,16 +100,24 @@ class _Path:
                     continue
                 switch.watch(self._flipped)
                 ordered.append((self.steps[name], switch))
+            self._told = [(step.given, switch) for step, switch in ordered if step.given is not None]
             self._ordered = ordered
         return self._ordered
+
+    def told(self) -> list[tuple[Callable[[Any, Any], None], Any]]:
+        """``(given, switch)`` of the steps that are told of every function a layer is given."""
+        if self._ordered is None:
+            self.ordered()
+        return self._told
 
     def _flipped(self, _on: bool) -> None:
         self.generation += 1
 
 
 _path = _Path()
-# id(function) -> the LayerCheckpoint made of it (weak: it lives as long as a layer holds it)
-_made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(function) -> a weak reference to the LayerCheckpoint made of it, which a layer holding it keeps
+# alive; the entry goes with it. Checked against the function it was made of before it is used.
+_made: dict[int, weakref.ref] = {}
 
 
 def targets(step: Step, probe=None) -> tuple[Target, Target]:
@@ -121,14 +131,13 @@ def targets(step: Step, probe=None) -> tuple[Target, Target]:
 
 def _given(layer, function):
     """The slot's wrapper: what ``layer`` holds when it is given ``function``."""
-    ordered = _path.ordered()
-    for step, switch in ordered:
-        if step.given is not None and switch.on:
-            step.given(layer, function)
-    return checkpoint_for(function, ordered)
+    for given, switch in _path.told():
+        if switch.on:
+            given(layer, function)
+    return checkpoint_for(function)
 
 
-def checkpoint_for(function, ordered: list | None = None):
+def checkpoint_for(function):
     """A ``LayerCheckpoint`` of ``function`` with the steps that apply to it, or ``function``
     itself where none does (decided once per function object and generation)."""
     generation = _path.generation
@@ -137,21 +146,27 @@ def checkpoint_for(function, ordered: list | None = None):
             return function
         function = function.given
     key = id(function)
-    made = _made.get(key)
+    reference = _made.get(key)
+    made = reference() if reference is not None else None
     if made is not None and made.given is function and made.generation == generation:
         return made  # the usual case: the function an enable hands every layer, after the first
     if not callable(function) or _is_mock(function):
         return function
     steps = tuple(
         (switch, step.act)
-        for step, switch in (ordered if ordered is not None else _path.ordered())
+        for step, switch in _path.ordered()
         if step.act is not None and switch.on and step.applies is not None and step.applies(function)
     )
     if not steps:
         return function
     made = layer_checkpoint(function, steps, generation)
-    _made[key] = made
+    _made[key] = weakref.ref(made, functools.partial(_forget, key))
     return made
+
+
+def _forget(key: int, reference: weakref.ref) -> None:
+    if _made.get(key) is reference:  # not a newer object made for a function now at that address
+        del _made[key]
 
 
 def _is_mock(value) -> bool:
@@ -186,8 +201,6 @@ def probe(layer_class) -> str | None:
 def _call_shape_problem(layer_class) -> str | None:
     """Runs on CPU float32 with grad on, whatever the import happened in (a ``torch.device("meta")``
     block, a default dtype, no_grad, inference mode)."""
-    import functools
-
     import torch
 
     class _ProbeLayer(layer_class):

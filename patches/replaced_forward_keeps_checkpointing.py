@@ -35,9 +35,10 @@ from . import _checkpoint_path
 NAME = "replaced-forward-keeps-checkpointing"
 MISSING = object()
 _wrapper_code: list = []  # the code object of transformers' checkpointing wrapper, found once
-# class -> the forward last looked at; weak both ways, so that classes made on the fly (FSDP2's and
-# peft's, one per model) and their forwards are not kept alive
-_judged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(class) -> weak references to the class and to the forward last looked at: read on every
+# assignment, and weak both ways, so that classes made on the fly (FSDP2's and peft's, one per
+# model) and their forwards are not kept alive
+_judged: dict = {}
 # class -> (the user's forward, transformers' wrapper the shim put around it, whether the user's was the class's own)
 _rewrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.RLock()
@@ -158,20 +159,36 @@ def _judge(cls) -> None:
 
 
 def _judged_forward(cls):
-    reference = _judged.get(cls)
-    return reference() if reference is not None else None
+    entry = _judged.get(id(cls))
+    if entry is None or entry[0]() is not cls:
+        return None
+    return entry[1]() if entry[1] is not None else None
 
 
 def _remember(cls, forward) -> None:
+    key = id(cls)
     try:
-        _judged[cls] = weakref.ref(forward)
+        judged = weakref.ref(forward)
     except TypeError:  # a forward without weak references (a staticmethod): looked at again next time
-        _judged.pop(cls, None)
+        judged = None
+    _judged[key] = (weakref.ref(cls, functools.partial(_forget, key)), judged)
+
+
+def _forget(key: int, reference: weakref.ref) -> None:
+    entry = _judged.get(key)
+    if entry is not None and entry[0] is reference:
+        del _judged[key]
 
 
 def _given(layer, _function) -> None:
     """The step's ``given``: a layer given a function gets a class that checkpoints."""
-    _judge(type(layer))
+    cls = type(layer)
+    entry = _judged.get(id(cls))
+    if entry is not None and entry[1] is not None and entry[0]() is cls:
+        judged = entry[1]()
+        if judged is not None and judged is cls.__dict__.get("forward", judged):
+            return  # the usual case, inline: on every assignment of a layer's function
+    _judge(cls)
 
 
 STEP = _checkpoint_path.Step(NAME, given=_given)
@@ -198,7 +215,7 @@ def _switched(on: bool) -> None:
                     delattr(cls, "forward")
             elif on and (current is forward or (not own and current is MISSING)):
                 cls.forward = wrapper
-            _judged.pop(cls, None)
+            _judged.pop(id(cls), None)
 
 
 def _probe(layer_class) -> str | None:
