@@ -18,6 +18,10 @@
   the final weights.
 - ``own-checkpoint-function``: checkpointing enabled through ``_set_gradient_checkpointing`` with a
   function of one's own that does not look for its layer (reentrant and not): one training step.
+- ``checkpoint-function-copies``: functions of one's own that copy the partial they are handed
+  (``copy.copy``, of the function under it too, ``copy.deepcopy`` with the layer kept) and checkpoint
+  the copy (``tests/do_no_harm/workflows/user_functions.py``): a closure and a partial of a
+  module-level function, reentrant and not: one training step each.
 - ``replaced-forward``: a decoder-layer class whose ``forward`` was replaced by a function calling the
   original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
 - ``training-arguments`` (from 5.23): ``TrainingArguments`` parsed with the old names, the new ones and neither,
@@ -284,6 +288,25 @@ def own_checkpoint_function() -> dict:
         model = llama(3)
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=mine)
         records[f"use_reentrant={reentrant}"] = one_step(model)
+    return records
+
+
+def checkpoint_function_copies() -> dict:
+    """Functions of one's own that copy the partial they are handed (``copy.copy``, of its function
+    too, ``copy.deepcopy`` with the layer kept) and checkpoint the copy: a closure and a partial of a
+    module-level function, reentrant and not, through ``_set_gradient_checkpointing``."""
+    from tests.do_no_harm.workflows import user_functions
+
+    records = {}
+    for reentrant in (True, False):
+        functions = {
+            "closure": user_functions.closure(reentrant),
+            "partial": functools.partial(user_functions.checkpoint_a_copy, use_reentrant=reentrant),
+        }
+        for name, function in functions.items():
+            model = llama(3)
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=function)
+            records[f"{name}, use_reentrant={reentrant}"] = step_record(model)
     return records
 
 
@@ -701,6 +724,7 @@ CASES = {
     "branch-frozen": lambda: branch_case(frozen=True),
     "trainer-model-init": trainer_model_init,
     "own-checkpoint-function": own_checkpoint_function,
+    "checkpoint-function-copies": checkpoint_function_copies,
     "replaced-forward": replaced_forward,
     "fsdp2-activation-checkpointing": fsdp2_activation_checkpointing,
     "kbit-prepare": kbit_prepare,
