@@ -121,7 +121,7 @@ EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-for
 EVERYDAY += ["training-arguments"]
 EVERYDAY += ["trl-sft-checkpointing"]
 EVERYDAY += ["kbit-prepare"]
-EVERYDAY += ["checkpoint-function-copies"]
+EVERYDAY += ["saved-models-load", "checkpoint-function-copies"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():

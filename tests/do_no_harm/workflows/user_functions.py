@@ -8,7 +8,8 @@ transformers 5.23, ``partial(<bound __call__>, **kwargs)`` up to 5.22. The funct
 checkpoint a :func:`copied` partial do what a user's function may do with it: copy it, copy the
 function under it, deep-copy it with its layer kept.
 
-Nothing of the shim is imported here.
+Nothing of the shim is imported here: a saved model given one of these functions refers to it by
+name, and ``saved_models.py`` loads it where ``import shim`` fails.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def copied(func):
     if shallow.args:  # up to 5.22 func.func is a bound __call__, and a copy of it calls the layer again
         shallow = functools.partial(copy.copy(shallow.func), *shallow.args, **shallow.keywords)
     return copy.deepcopy(shallow, {id(layer): layer})
+
+
+def checkpoint_layer(function, *args, **kwargs):
+    """torch's non-reentrant checkpoint, at module level (a saved model refers to it by name)."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_a_copy(function, *args, use_reentrant: bool, **kwargs):
