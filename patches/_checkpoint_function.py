@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import sys
 
 from shim import record_effect
 
 _partial = functools.partial
+_first = operator.itemgetter(0)
 _torch = None
 
 
@@ -113,10 +115,10 @@ class LayerCheckpoint(_partial):
         return hash(self.given)
 
     def __reduce_ex__(self, protocol):
-        reduced = self.given.__reduce_ex__(protocol)
-        if isinstance(reduced, str):  # a function or class pickled by name: the same reference
-            return copy.copy, (self.given,)
-        return reduced
+        if type(self.given) is _partial:
+            return self.given.__reduce_ex__(protocol)  # upstream's partial, byte for byte
+        # Anything else (a function, pickled by name) as itself: the first item of a 1-tuple.
+        return _first, ((self.given,),)
 
     def __copy__(self):
         return copy.copy(self.given)

@@ -40,7 +40,7 @@ _VALID = {
     "offload": lambda value: type(value) is bool or (type(value) is int and value in (0, 1)),
 }
 _EXPECTED = {
-    "every_n_layers": ("a whole number of 1 or more", "every_n_layers=2, say"),
+    "every_n_layers": ("an int of 1 or more", "every_n_layers=2, say"),
     "offload": ("True or False", "offload=True or offload=False"),
 }
 
