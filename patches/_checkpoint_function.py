@@ -1,105 +1,153 @@
-"""What a layer calls when it checkpoints with the shim: :class:`LayerCheckpoint`.
+"""What a layer calls when a step of the checkpointing path acts on its calls: :class:`LayerCheckpoint`,
+and what steps need to read and hand over a checkpointed call.
 
 A ``GradientCheckpointingLayer`` calls its checkpoint function as ``function(partial(fn, **kwargs),
-*args)`` (``fn`` is ``super().__call__`` up to transformers 5.22, the layer's own ``forward`` with
-the layer bound first from 5.23). Where a checkpointing patch's step applies to the function a
-layer is given (decided once, when it is given: ``_checkpoint_path.py``), the layer holds a
-``LayerCheckpoint``: upstream's ``functools.partial``, same ``func``, ``args`` and ``keywords``, with
-the steps marked on it. Per checkpointed call, each marked step acts only while its patch is
-applied and switched on, in this order:
+*args)``: ``fn`` is the layer's bound ``super().__call__`` up to transformers 5.22, its own ``forward``
+with the layer bound first (``partial(forward, layer, **kwargs)``) from 5.23. Where a step applies to
+the function a layer is given (decided once, when it is given: ``_checkpoint_path.py``), the layer
+holds a ``LayerCheckpoint`` of it: upstream's partial (same ``func``, ``args``, ``keywords``) that,
+per checkpointed call, lets each of its steps whose patch is on change what the checkpoint is
+handed, in the steps' declared order. Any other shape of call goes to the function unchanged.
 
-1. ``checkpoint-function-finds-layer``: a function of the user's own gets the layer both ways,
-   ``func.args[0]`` (as upstream hands it from 5.23) and ``func.func.__self__`` (as up to 5.22);
-2. ``reentrant-keyword-grads`` (grad mode): keyword tensors that require grad become checkpoint
-   inputs, put back in their places on recomputation;
-3. ``reentrant-frozen-input-grads`` (grad mode, no input requires grad, the layer has a
-   trainable parameter): one more input, a zero-size tensor that requires grad (an anchor).
-
-Steps 2 and 3 never both act on one call. The recomputation they hand over carries the layer both
-ways too, so a function that finds its layer keeps finding it. Any other shape of call goes to the
-original function unchanged.
+Nothing of it outlives the shim: a ``LayerCheckpoint`` pickles and copies as the function the layer
+was given, and what a step hands the checkpoint is a plain ``functools.partial`` of a plain
+function (``torch.compile`` traces it, also across a graph break).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import operator
 import sys
 
-from shim import record_effect, switch_of
+from shim import record_effect
 
-from ._checkpointing import first_trainable, handed
-from ._reentrant_fixes import FROZEN, KEYWORDS, anchor, any_grad, bind_torch, lift
-
-FINDS_LAYER = "checkpoint-function-finds-layer"
 _partial = functools.partial
+_first = operator.itemgetter(0)
 _torch = None
-_switches = None  # (keywords, frozen, finds-layer) switches, looked up on first use
 
 
-def _bind():
-    global _switches, _torch
-    _torch = bind_torch()
-    if _switches is None:
-        _switches = (switch_of(KEYWORDS), switch_of(FROZEN), switch_of(FINDS_LAYER))
-    return _switches
+def bind_torch():
+    """torch, imported on first use (the patch modules are imported before torch may be)."""
+    global _torch
+    if _torch is None:
+        import torch
+
+        _torch = torch
+    return _torch
+
+
+# The code objects of the shim's own per-call code (the checkpoint object's decision, the steps),
+# with the functions nested in them: dynamo runs a frame of one as it is and compiles what it calls.
+_eager_code: list = []
+_eager: list = []  # [skip_code] once dynamo is told
+
+
+def eager(function):
+    """Mark ``function`` (and the functions defined inside it) as the shim's per-call code: under
+    ``torch.compile``, dynamo does not compile a frame of it (it is the shim's decision, as
+    uncompiled as without the shim) but compiles what it calls, the layer's ``forward``, torch's
+    checkpoint, a checkpoint function of the user's, as without the shim. Traced from compiled
+    code, dynamo never reaches it: it calls a partial's ``func`` directly, the function the layer
+    was given, where the reentrant bugs do not arise."""
+    _eager_code.append(function.__code__)
+    if _eager:
+        _skip(function.__code__)
+    return function
+
+
+def leave_to_eager() -> None:
+    """Tell dynamo about the code marked :func:`eager` (the first time a layer holds a
+    ``LayerCheckpoint``; dynamo is imported by then, transformers imports it)."""
+    if _eager:
+        return
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - a dynamo without it traces those frames and falls back
+        return
+    _eager.append(skip_code)
+    for code in _eager_code:
+        _skip(code)
+
+
+def _skip(code) -> None:
+    _eager[0](code)
+    for constant in code.co_consts:
+        if isinstance(constant, type(code)):
+            _skip(constant)
 
 
 class LayerCheckpoint(_partial):
-    """A layer's checkpoint function, as upstream's partial, with the steps marked on it.
+    """A layer's checkpoint function where a step applies to it: the function it was given, as a
+    partial, with the steps that act on its calls.
 
-    ``keywords_step``, ``frozen_step`` and ``finds_layer_step`` say which steps apply (set when the
-    function is given to a layer, never cleared). It pickles as upstream's plain partial (a model
-    saved with the shim loads without it) and copies as itself.
+    ``given`` is the function the layer was given; the layer reads back this object, which equals
+    it (``==``, same hash) but is not it (``is``). It pickles, copies and deep-copies as ``given``
+    would, so a saved model holds only what upstream's holds; a layer unpickled or copied with the
+    shim loaded is given its function again and gets a ``LayerCheckpoint`` anew.
+    ``steps``: ``(switch, act)`` of each step that applies, in declared order; ``generation``: the
+    state of the path it was decided in (``_checkpoint_path.py``).
     """
 
-    keywords_step = frozen_step = finds_layer_step = False
-
     def __call__(self, function, *args, **options):
-        switches = _switches or _bind()
-        if type(function) is _partial:
-            if self.finds_layer_step and switches[2].on:
-                function = both_ways(function)
-            if (self.keywords_step or self.frozen_step) and _torch.is_grad_enabled():
-                keywords = function.keywords
-                if self.keywords_step and switches[0].on and keywords and any_grad(keywords.values()):
-                    layer = layer_of(function)
-                    if layer is not None:
-                        return lift(self, layer, function, args, options)
-                elif self.frozen_step and switches[1].on and not any_grad(args):
-                    layer = layer_of(function)
-                    trainable = first_trainable(layer) if layer is not None else None
-                    if trainable is not None and not any_grad(keywords.values()):
-                        return anchor(self, layer, trainable.device, function, args, options)
+        if type(function) is _partial:  # the call shape the probe checked
+            layer = None
+            for switch, act in self.steps:
+                if switch.on:
+                    if layer is None:
+                        layer = layer_of(function)
+                        if layer is None:
+                            break
+                    handed = act(layer, function, args)
+                    if handed is not None:
+                        function, args = handed
         if options:
             return self.func(*self.args, function, *args, **{**self.keywords, **options})
         return self.func(*self.args, function, *args, **self.keywords)
 
-    def run(self, *args, **options):
-        """The original function: ``func(*partial args, *args, **partial keywords, **options)``."""
-        return self.func(*self.args, *args, **{**self.keywords, **options})
+    def __eq__(self, other):
+        if type(other) is LayerCheckpoint:
+            other = other.given
+        return self.given == other
 
-    def marked(self, other: LayerCheckpoint) -> LayerCheckpoint:
-        """``self`` with ``other``'s steps marked as well."""
-        self.keywords_step |= other.keywords_step
-        self.frozen_step |= other.frozen_step
-        self.finds_layer_step |= other.finds_layer_step
-        return self
+    def __hash__(self):
+        return hash(self.given)
 
-    def __reduce__(self):
-        return _partial, (self.func,), (self.func, self.args, self.keywords or None, None)
+    def __reduce_ex__(self, protocol):
+        if type(self.given) is _partial:
+            return self.given.__reduce_ex__(protocol)  # upstream's partial, byte for byte
+        # Anything else (a function, pickled by name) as itself: the first item of a 1-tuple.
+        return _first, ((self.given,),)
 
     def __copy__(self):
-        return LayerCheckpoint(self.func, *self.args, **self.keywords).marked(self)
+        return copy.copy(self.given)
 
     def __deepcopy__(self, memo: dict):
-        func, args, keywords = copy.deepcopy((self.func, self.args, self.keywords), memo)
-        return LayerCheckpoint(func, *args, **keywords).marked(self)
+        return copy.deepcopy(self.given, memo)
 
 
+eager(LayerCheckpoint.__call__)
+eager(record_effect)  # a step that acts counts its effect on that call
+
+
+def layer_checkpoint(given, steps: tuple, generation: int) -> LayerCheckpoint:
+    """``given`` as a :class:`LayerCheckpoint` running ``steps``."""
+    if type(given) is _partial:
+        made = LayerCheckpoint(given.func, *given.args, **given.keywords)
+    else:  # any other callable, a partial subclass included, is called as it is
+        made = LayerCheckpoint(given)
+    made.given, made.steps, made.generation = given, steps, generation
+    if not _eager:
+        bind_torch()  # the steps read torch through this module's global
+        leave_to_eager()
+    return made
+
+
+@eager
 def layer_of(function):
     """The ``GradientCheckpointingLayer`` a layer's call handed over: the ``__self__`` of the
-    partial's function (``partial(super().__call__)``, :class:`LayerMethod`) or bound first in it
+    partial's function (``partial(super().__call__)``, :func:`bound`) or bound first in it
     (``partial(forward, layer, ...)``)."""
     layers = sys.modules.get("transformers.modeling_layers")
     if layers is None:
@@ -110,18 +158,72 @@ def layer_of(function):
     return owner if isinstance(owner, layers.GradientCheckpointingLayer) else None
 
 
-def both_ways(function):
-    """``partial(forward, layer, **kwargs)`` (transformers >= 5.23) as :func:`handed`: the layer is
-    ``func.args[0]`` as upstream hands it and ``func.func.__self__`` as up to 5.22."""
-    if not function.args or hasattr(function.func, "__self__"):
-        return function
-    layer = layer_of(function)
-    if layer is None:
-        return function
-    record_effect(
-        FINDS_LAYER,
-        "handed %s's checkpoint function the layer as func.func.__self__ (as up to transformers 5.22) "
-        "besides func.args[0]",
-        type(layer).__name__,
-    )
-    return handed(function.func, layer, *function.args[1:], **function.keywords)
+@eager
+def bound(function, layer):
+    """``function`` bound to ``layer`` the way a method is: a plain function whose ``__self__`` is
+    the layer and which runs ``function(layer, *args)``, whether or not it is handed the layer
+    again first (``partial(bound(f, layer), layer)`` is both shapes a layer hands over at once)."""
+
+    def method(*args, **kwargs):
+        if args and args[0] is layer:
+            args = args[1:]
+        return function(layer, *args, **kwargs)
+
+    method.__self__ = layer
+    method.__name__ = getattr(function, "__name__", "method")
+    method.__qualname__ = getattr(function, "__qualname__", method.__name__)
+    return method
+
+
+@eager
+def hand_over(function, recompute, layer):
+    """``recompute(layer, *inputs)`` in the shape the layer handed ``function``: ``partial(recompute,
+    layer)`` for ``partial(forward, layer, **kwargs)`` (transformers >= 5.23), ``partial(<recompute
+    bound to the layer>)`` for ``partial(<the layer's bound __call__>, **kwargs)`` (up to 5.22). A
+    checkpoint function that finds its layer in the one keeps finding it in the other."""
+    if function.args:
+        return _partial(recompute, layer)
+    return _partial(bound(recompute, layer))
+
+
+@eager
+def any_grad(values) -> bool:
+    """Whether any of ``values`` holds a tensor that requires grad (one frame for the usual case of
+    plain tensors and flags; containers go through :func:`wants_grad`)."""
+    tensor = _torch.Tensor
+    for value in values:
+        if isinstance(value, tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (tuple, list, dict)) and wants_grad(value):
+            return True
+    return False
+
+
+@eager
+def wants_grad(value) -> bool:
+    """Whether ``value`` holds a tensor that requires grad, in tuples, lists and dicts."""
+    if isinstance(value, _torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(wants_grad(item) for item in value)
+    if type(value) is dict:
+        return any(wants_grad(item) for item in value.values())
+    return False
+
+
+def is_reentrant(function) -> bool:
+    """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
+
+    The ``use_reentrant`` keyword bound by ``functools.partial`` decides (the outermost partial
+    wins; ``None`` counts as torch's default); without one, torch's default applies, which is
+    reentrant (torch 2.x warns and uses ``use_reentrant=True``). A function that is no partial
+    (plain ``checkpoint``, DeepSpeed's reentrant-style one, a closure) counts as reentrant.
+    """
+    while isinstance(function, _partial):
+        keywords = function.keywords
+        if "use_reentrant" in keywords:
+            value = keywords["use_reentrant"]
+            return True if value is None else bool(value)
+        function = function.func
+    return True

@@ -6,24 +6,65 @@ parameters, and other training frameworks' offload or selective wrappers) fail i
 once transformers checkpoints inside the layer's ``forward``: ``AttributeError: 'function' object
 has no attribute '__self__'``. The layer now hands over ``partial(forward, layer, **kwargs)``.
 
-Fix: a function that is not torch's or transformers' own, however a layer is given it
-(``_checkpoint_path.py``), reaches the layer as ``_checkpoint_function.LayerCheckpoint``, which
-hands it the layer both ways: ``partial(<forward bound to the layer>, layer, **kwargs)``, so
-``func.func.__self__`` and ``func.args[0]`` are the layer, and ``func(*args)`` as well as
-``func.func(*args, **func.keywords)`` run the same ``forward``.
+Fix: a step of the checkpointing path (``_checkpoint_path.py``), the last: a function that is not
+torch's or transformers' own, however a layer is given it, is handed the layer both ways:
+``partial(<forward bound to the layer>, layer, **kwargs)``, so ``func.func.__self__`` and
+``func.args[0]`` are the layer, and ``func(*args)`` as well as ``func.func(*args, **func.keywords)``
+run the same ``forward``. So is the recomputation a reentrant step hands over.
 
-Limits: ``func.func`` is a bound-method look-alike, not a ``types.MethodType``; a model enabled
-before ``import shim`` gets the step when its layers are next given a function.
+Limits: ``func.func`` is a plain function with a ``__self__`` (``inspect.isfunction`` is true, as
+for the ``forward`` upstream hands over), not a ``types.MethodType``; a model enabled before
+``import shim`` gets the step when its layers are next given a function.
 
 Full story, versions measured and references: docs/bugs.md#checkpoint-function-finds-layer
 """
 
 from __future__ import annotations
 
-from shim import Patch
+import functools
+
+from shim import Patch, record_effect
 
 from . import _checkpoint_path
-from ._checkpoint_function import FINDS_LAYER as NAME
+from ._checkpoint_function import bind_torch, bound, eager
+
+NAME = "checkpoint-function-finds-layer"
+
+
+def _is_own(function) -> bool:
+    """A step's ``applies``: whether ``function`` is not torch's checkpoint nor transformers'
+    offload closure around it (under any partials): a function of the user's own, which may look
+    for its layer."""
+    checkpoint = bind_torch().utils.checkpoint.checkpoint
+    while isinstance(function, functools.partial):  # the usual case: transformers' partial of torch's
+        function = function.func
+    if function is checkpoint:
+        return False
+    return not (
+        getattr(function, "__module__", None) == "transformers.modeling_utils"
+        and getattr(function, "__name__", None) == "checkpoint_func"
+    )
+
+
+@eager
+def _both_ways(layer, function, args):
+    """A step's ``act``: ``partial(forward, layer, **kwargs)`` (transformers >= 5.23) handed as
+    ``partial(<forward bound to the layer>, layer, **kwargs)``."""
+    if not function.args or hasattr(function.func, "__self__"):
+        return None
+    record_effect(
+        NAME,
+        "handed %s's checkpoint function the layer as func.func.__self__ (as up to transformers 5.22) "
+        "besides func.args[0]",
+        type(layer).__name__,
+    )
+    return functools.partial(bound(function.func, layer), *function.args, **function.keywords), args
+
+
+# Last: it hands over, both ways, whatever the steps before it hand the checkpoint.
+STEP = _checkpoint_path.Step(
+    NAME, applies=_is_own, act=_both_ways, after=("reentrant-keyword-grads", "reentrant-frozen-input-grads")
+)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -52,8 +93,7 @@ PATCH = Patch(
     summary="A checkpoint function of your own finds its layer through the partial (func.func.__self__).",
     distribution="transformers",
     requires=">=5.23",
-    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
+    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     self_check=_self_check,
-    after=("replaced-forward-keeps-checkpointing",),
 )

@@ -7,9 +7,10 @@ non-reentrant ones silently lose the every-n pattern. trl's ``selective`` key ca
 
 Fix: the enable implementation is wrapped. Those three keys are taken out of the kwargs dict;
 ``every_n_layers`` and ``offload`` are passed as the parameters they are (an explicit parameter wins
-over the dict). ``selective`` is dropped; set, it is also warned about: trl's wrapper takes it out,
-so reaching here means that wrapper did not run and trl's selective checkpointing is off. Nothing
-else in the dict changes.
+over the dict; a value they do not take, ``"offload": "no"``, is dropped with a warning).
+``selective`` is dropped; set, it is also warned about: trl's wrapper takes it out, so reaching here
+means that wrapper did not run and trl's selective checkpointing is off. Nothing else in the dict
+changes.
 
 Limits: where the installed transformers has no such parameter the key is dropped with a warning.
 Any other key ``torch.utils.checkpoint`` does not accept still reaches it.
@@ -32,6 +33,16 @@ NAME = "checkpoint-kwargs-clean"
 _PARAMETERS = ("every_n_layers", "offload")
 _NOT_FOR_CHECKPOINT = frozenset(_PARAMETERS + ("selective",))
 _DEFAULTS = {"every_n_layers": 1, "offload": False}
+# What each parameter takes: a value of another type ("no", "2", 2.0) is dropped with a warning,
+# never turned into a parameter whose meaning it would change (offload="no" is true).
+_VALID = {
+    "every_n_layers": lambda value: type(value) is int and value >= 1,
+    "offload": lambda value: type(value) is bool or (type(value) is int and value in (0, 1)),
+}
+_EXPECTED = {
+    "every_n_layers": ("an int of 1 or more", "every_n_layers=2, say"),
+    "offload": ("True or False", "offload=True or offload=False"),
+}
 
 
 def _cleaning_enable(kwargs_name: str):
@@ -61,7 +72,13 @@ def _cleaning_enable(kwargs_name: str):
         call[kwargs_name] = config or None
         supported = _supported_parameters(wrapped)
         for name, value in lifted.items():
-            if name in supported:
+            if not _VALID[name](value):
+                log.warning(
+                    "%s: the checkpointing kwargs of %s hold %s=%r, which is not %s; dropped it rather than "
+                    "guess what it means (pass %s)",
+                    NAME, type(instance).__name__, name, value, *_EXPECTED[name],
+                )  # fmt: skip
+            elif name in supported:
                 if call.get(name, _DEFAULTS[name]) == _DEFAULTS[name]:
                     call[name] = value
             else:
@@ -91,7 +108,8 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing import enable, layer_state
+    from ._checkpointing_calls import enable
+    from ._checkpointing_state import layer_state
 
     model = transformers.LlamaForCausalLM(tiny_llama_config())
     enable(model, {"use_reentrant": True, "every_n_layers": 1, "selective": False})

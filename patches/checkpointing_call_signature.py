@@ -26,7 +26,7 @@ import sys
 from shim import Patch, Target, record_effect
 
 from ._arguments import argument
-from ._checkpointing import accepts, disable, enable, is_checkpointing, takes_positional
+from ._checkpointing_calls import accepts, disable, enable, is_checkpointing, takes_positional
 
 NAME = "checkpointing-call-signature"
 

@@ -26,7 +26,7 @@ import weakref
 from shim import Patch, Target, notice_others, record_effect
 
 from ._arguments import argument
-from ._checkpointing import (
+from ._checkpointing_state import (
     ModelState,
     capture,
     captured_kwargs,
@@ -115,7 +115,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing import ENABLE, disable, enable, method
+    from ._checkpointing_calls import ENABLE, disable, enable, method
 
     model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4))
     _name, configure = method(model, ENABLE)

@@ -27,7 +27,9 @@ import sys
 
 from shim import Patch, Target, record_effect
 
-from ._checkpointing import MISSING, first_trainable, is_reentrant
+from ._checkpoint_function import is_reentrant
+from ._checkpointing_state import MISSING
+from ._modules import first_trainable
 
 NAME = "ddp-find-unused-for-checkpointing"
 # Keys the Trainer takes out of the checkpointing kwargs before enabling (5.16+; checkpoint-kwargs-clean earlier).
@@ -273,7 +275,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing import enable
+    from ._checkpointing_calls import enable
 
     model = transformers.LlamaForCausalLM(tiny_llama_config())
     with warnings.catch_warnings():

@@ -25,7 +25,7 @@ import weakref
 
 from shim import Patch, Target, record_effect, switch_of
 
-from ._checkpointing import first_trainable
+from ._modules import first_trainable
 
 NAME = "frozen-tower-input-grads"
 _PreTrainedModel = None  # bound on first use: the patch module must not import transformers at import time
@@ -133,7 +133,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_qwen2_vl, vision_tower
 
-    from ._checkpointing import enable
+    from ._checkpointing_calls import enable
 
     model, inputs = tiny_qwen2_vl()
     tower = vision_tower(model)

@@ -58,7 +58,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing import disable, enable
+    from ._checkpointing_calls import disable, enable
 
     model = transformers.LlamaForCausalLM(tiny_llama_config())
     enable(model, {"use_reentrant": False})

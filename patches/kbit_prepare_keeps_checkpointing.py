@@ -8,12 +8,12 @@ and torch's default (reentrant, with torch's warning on every forward) runs inst
 Fix: when the caller gave no kwargs and the model already checkpoints, each module's flag and
 checkpoint function are captured before the call (the capture ``checkpointing-restore`` takes at a
 disable) and put back where peft changed them. Names bound by ``from peft import ...`` before the
-shim applied are rebound (``consumers``).
+shim applied are rebound (``consumers``). trl's own copy of the function (``trl.experimental``,
+which its PEFT set-up calls for QLoRA) is wrapped the same way.
 
 Limits: kwargs the caller passes, ``{}`` included, are used as upstream uses them. A model that does
 not checkpoint yet gets peft's own configuration, as without the shim. peft's decision to hook the
-input embeddings is taken on its own ``{}``, as upstream takes it. trl's own copy of the function is
-not covered.
+input embeddings is taken on its own ``{}``, as upstream takes it.
 
 Full story, versions measured and references: docs/bugs.md#kbit-prepare-keeps-checkpointing
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from shim import Patch, Target, record_effect
 
 from ._arguments import argument, leading_parameters
-from ._checkpointing import capture, captured_kwargs, describe, replaced_kwargs, restore
+from ._checkpointing_state import capture, captured_kwargs, describe, replaced_kwargs, restore
 
 NAME = "kbit-prepare-keeps-checkpointing"
 PARAMETERS = ("model", "use_gradient_checkpointing", "gradient_checkpointing_kwargs")
@@ -81,6 +81,13 @@ PATCH = Patch(
     requires=">=0.6",
     targets=(
         Target("peft.utils.other:prepare_model_for_kbit_training", _prepare_model_for_kbit_training, probe=_probe),
+        # trl's copy, which prepare_peft_model calls by its module-level name
+        Target(
+            "trl.experimental.utils:prepare_model_for_kbit_training",
+            _prepare_model_for_kbit_training,
+            requires="trl>=0.28",
+            probe=_probe,
+        ),
     ),
     references=("docs/bugs.md#kbit-prepare-keeps-checkpointing", "huggingface/peft#1036"),
     consumers=("peft", "peft.*", "trl.*"),

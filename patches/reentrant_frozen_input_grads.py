@@ -6,10 +6,10 @@ Symptom (silent): with ``use_reentrant=True``, a checkpointed layer whose inputs
 trainable parameters no gradient, nor does any checkpointed layer after it: the reentrant
 checkpoint's output joins the graph only through inputs that require grad.
 
-Fix: the same checkpoint function as ``reentrant-keyword-grads`` (``_checkpoint_function.py``; the two never
-act on one call), given to layers on the same path (``_checkpoint_path.py``). A reentrant call in grad mode with no grad-requiring input, on a layer with a
-trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires grad (an
-anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
+Fix: a step of the checkpointing path (``_checkpoint_path.py``), after ``reentrant-keyword-grads``
+(the two never act on one call). A reentrant call in grad mode with no grad-requiring input, on a
+layer with a trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires
+grad (an anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
 sees upstream's inputs. A call that leaves the trainable parameters unused still backpropagates.
 
 Limits: parameters must be registered on the layer (FSDP1 flat parameters are left to upstream);
@@ -21,10 +21,61 @@ Full story, versions measured and references: docs/bugs.md#reentrant-frozen-inpu
 
 from __future__ import annotations
 
-from shim import Patch
+from shim import Patch, record_effect
 
 from . import _checkpoint_path
-from ._reentrant_fixes import FROZEN as NAME
+from ._checkpoint_function import any_grad, bind_torch, eager, hand_over, is_reentrant, wants_grad
+from ._modules import first_trainable
+
+NAME = "reentrant-frozen-input-grads"
+
+
+@eager
+def _anchor(layer, function, args):
+    """A step's ``act``: a call none of whose inputs requires grad, on a layer with a trainable
+    parameter, gets one more checkpoint input, a zero-size tensor that requires grad, which the
+    recomputation drops: the checkpointed output gets a ``grad_fn``."""
+    torch = bind_torch()
+    if not torch.is_grad_enabled() or any_grad(args) or any_grad(function.keywords.values()):
+        return None
+    trainable = first_trainable(layer)
+    if trainable is None:
+        return None
+    record_effect(
+        NAME,
+        "gave the trainable parameters of %s their gradients under reentrant checkpointing although none "
+        "of its inputs requires grad (upstream's checkpointed output has no grad_fn, so they get none)",
+        type(layer).__name__,
+    )
+
+    def recompute(_layer, *inputs):
+        output = function(*inputs[:-1])  # the anchor is the last input; the layer never sees it
+        if torch.is_grad_enabled() and not wants_grad(output):
+            # The trainable parameters went unused in this call (a conditional adapter, an idle
+            # expert): tie the output to the anchor so torch's backward has something to run,
+            # where upstream never reached this layer at all. Its value is unchanged (+ 0.0).
+            output = _tied(output, inputs[-1])
+        return output
+
+    anchor = torch.empty(0, device=trainable.device, requires_grad=True)
+    return hand_over(function, recompute, layer), (*args, anchor)
+
+
+@eager
+def _tied(output, anchor):
+    torch = bind_torch()
+    if isinstance(output, torch.Tensor):
+        return output + anchor.sum() if output.is_floating_point() else output
+    if isinstance(output, (tuple, list)):
+        for index, item in enumerate(output):
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                items = list(output)
+                items[index] = item + anchor.sum()
+                return type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
+    return output
+
+
+STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_anchor, after=("reentrant-keyword-grads",))
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -43,12 +94,11 @@ PATCH = Patch(
     summary="Reentrant checkpointing gives trainable parameters their gradients when a layer's inputs are frozen.",
     distribution="transformers",
     requires=">=4.57",
-    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
+    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=(
         "docs/bugs.md#reentrant-frozen-input-grads",
         "huggingface/transformers#21381",
         "huggingface/transformers#23170",
     ),
     self_check=_self_check,
-    after=("reentrant-keyword-grads",),
 )

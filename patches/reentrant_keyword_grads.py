@@ -6,12 +6,12 @@ layer's own weights and everything before it) no gradient: only positional argum
 of ``torch.utils.checkpoint``; keywords ride hidden in a ``partial``. The only trace is torch's
 ``UserWarning: None of the inputs have requires_grad=True``.
 
-Fix: whenever a layer is given a reentrant checkpoint function (an enable, a restore, a direct
-assignment, an unpickled model: ``_checkpoint_path.py``), it receives it as
-``_checkpoint_function.LayerCheckpoint``, upstream's partial with one more step per call:
-grad-requiring tensors in the keywords (also nested in tuples, lists, dicts) become extra checkpoint
-inputs, put back into their keyword places on every run of the layer. Layer calls that do not
-checkpoint, and non-reentrant checkpointing, run no code of this patch.
+Fix: a step of the checkpointing path (``_checkpoint_path.py``): whenever a layer is given a
+reentrant checkpoint function (an enable, a restore, a direct assignment, an unpickled model), each
+checkpointed call with grad-requiring tensors in the keywords (also nested in tuples, lists, dicts)
+hands them to the checkpoint as extra inputs, put back into their keyword places on every run of
+the layer. Layer calls that do not checkpoint, and non-reentrant checkpointing, run no code of this
+patch.
 
 Limits: tensors in other containers (dataclasses, ``ModelOutput``) are not lifted; a layer's
 ``forward`` called directly is not covered; a model enabled before ``import shim`` gets the step
@@ -22,10 +22,88 @@ Full story, versions measured and references: docs/bugs.md#reentrant-keyword-gra
 
 from __future__ import annotations
 
-from shim import Patch
+from shim import Patch, record_effect
 
 from . import _checkpoint_path
-from ._reentrant_fixes import KEYWORDS as NAME
+from ._checkpoint_function import any_grad, bind_torch, eager, hand_over, is_reentrant
+
+NAME = "reentrant-keyword-grads"
+
+
+@eager
+def _lift(layer, function, args):
+    """A step's ``act``: the call with its grad-requiring keyword tensors as checkpoint inputs."""
+    keywords = function.keywords
+    if not keywords or not bind_torch().is_grad_enabled() or not any_grad(keywords.values()):
+        return None
+    lifted: list = []
+    template = {key: _template(value, lifted) for key, value in keywords.items()}
+    run, bound, count = function.func, function.args, len(args)
+    record_effect(
+        NAME,
+        "passed %d grad-requiring keyword tensor(s) (%s) of %s to reentrant checkpointing as inputs, "
+        "which upstream leaves inside the partial, without gradients",
+        len(lifted), ", ".join(key for key, value in template.items() if value is not keywords[key]),
+        type(layer).__name__,
+    )  # fmt: skip
+
+    def recompute(_layer, *inputs):
+        filled = {key: _fill(value, inputs[count:]) for key, value in template.items()}
+        return run(*bound, *inputs[:count], **filled)
+
+    return hand_over(function, recompute, layer), (*args, *lifted)
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Rebuild:
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind, items) -> None:
+        self.kind = kind
+        self.items = items
+
+
+@eager
+def _template(value, lifted: list):
+    """A template of ``value``: grad-requiring tensors appended to ``lifted``, their places marked."""
+    if isinstance(value, bind_torch().Tensor):
+        if value.requires_grad:
+            lifted.append(value)
+            return _Slot(len(lifted) - 1)
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_template(item, lifted) for item in value]
+        return value if all(new is old for new, old in zip(items, value)) else _Rebuild(type(value), items)
+    if type(value) is dict:
+        items = {key: _template(item, lifted) for key, item in value.items()}
+        return value if all(items[key] is item for key, item in value.items()) else _Rebuild(dict, items)
+    return value
+
+
+@eager
+def _fill(template, tensors):
+    kind = type(template)
+    if kind is _Slot:
+        return tensors[template.index]
+    if kind is not _Rebuild:
+        return template
+    if template.kind is dict:
+        return {key: _fill(item, tensors) for key, item in template.items.items()}
+    filled = [_fill(item, tensors) for item in template.items]
+    if template.kind in (list, tuple):
+        return template.kind(filled)
+    if hasattr(template.kind, "_make"):  # a named tuple
+        return template.kind._make(filled)
+    return template.kind(filled)
+
+
+STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_lift)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -49,8 +127,7 @@ PATCH = Patch(
     summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
     distribution="transformers",
     requires=">=4.57",
-    targets=_checkpoint_path.targets(_checkpoint_path.step(NAME), probe=_checkpoint_path.probe),
+    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     self_check=_self_check,
-    after=("checkpointing-restore",),
 )

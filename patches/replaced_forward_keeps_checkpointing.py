@@ -5,8 +5,8 @@ Symptom (silent): transformers checkpoints a layer inside a wrapper it puts on e
 afterwards (kernel libraries, tracers, your own patch) turns checkpointing off for every layer of
 that class: no error, no warning, the memory saving gone.
 
-Fix: when a layer is given a checkpoint function (``_checkpoint_path.py``), its class is looked at
-once per ``forward`` object. A replacement gets transformers' own wrapper again
+Fix: a step of the checkpointing path (``_checkpoint_path.py``): when a layer is given a checkpoint
+function, its class is looked at once per ``forward`` object. A replacement gets transformers' own wrapper again
 (``GradientCheckpointingLayer.__init_subclass__``) and still runs, inside the checkpoint; a
 ``staticmethod``, ``classmethod`` or wrapt one is called as attribute lookup binds it. Left alone,
 as upstream checkpoints them: transformers' wrapper, a ``torch.compile`` of it, and a replacement
@@ -31,12 +31,13 @@ import weakref
 from shim import Patch, record_effect, switch_of, written_by
 
 from . import _checkpoint_path
-from ._checkpointing import MISSING
 
 NAME = "replaced-forward-keeps-checkpointing"
+MISSING = object()
 _wrapper_code: list = []  # the code object of transformers' checkpointing wrapper, found once
-# class -> the forward last looked at (a plain dict, read on every assignment; cleared when it grows
-# large, so that classes made on the fly are not kept alive)
+# id(class) -> weak references to the class and to the forward last looked at: read on every
+# assignment, and weak both ways, so that classes made on the fly (FSDP2's and peft's, one per
+# model) and their forwards are not kept alive
 _judged: dict = {}
 # class -> (the user's forward, transformers' wrapper the shim put around it, whether the user's was the class's own)
 _rewrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -100,7 +101,7 @@ def checks(forward, layers) -> str:
         # A function's own code (a wrapt proxy would answer with the wrapped function's), and a
         # wrapt proxy's wrapper function, which is what runs.
         for candidate in (function, getattr(function, "_self_wrapper", None)):
-            if type(candidate) is types.FunctionType and _checkpoint_path.NAME in candidate.__code__.co_names:
+            if type(candidate) is types.FunctionType and _checkpoint_path.ATTRIBUTE in candidate.__code__.co_names:
                 return "own"
     return "replaced"
 
@@ -135,7 +136,7 @@ def _rewrap(cls, forward, own: bool, layers) -> None:
 
 def _judge(cls) -> None:
     """Look at ``cls``'s forward once per forward object; wrap a replacement again."""
-    judged = _judged.get(cls)
+    judged = _judged_forward(cls)
     if judged is not None and judged is cls.__dict__.get("forward", judged):
         return  # the usual case: the forward the class defines itself, already looked at
     forward, own = _own_forward(cls)
@@ -154,16 +155,43 @@ def _judge(cls) -> None:
                 cls.__name__,
                 written_by(forward),
             )
-        if len(_judged) > 1024:
-            _judged.clear()
-        _judged[cls] = _own_forward(cls)[0]
+        _remember(cls, _own_forward(cls)[0])
 
 
-def _assigned(layer, function):
-    """Slot wrapper: a layer given a function gets a class that checkpoints."""
-    if callable(function):
-        _judge(type(layer))
-    return function
+def _judged_forward(cls):
+    entry = _judged.get(id(cls))
+    if entry is None or entry[0]() is not cls:
+        return None
+    return entry[1]() if entry[1] is not None else None
+
+
+def _remember(cls, forward) -> None:
+    key = id(cls)
+    try:
+        judged = weakref.ref(forward)
+    except TypeError:  # a forward without weak references (a staticmethod): looked at again next time
+        judged = None
+    _judged[key] = (weakref.ref(cls, functools.partial(_forget, key)), judged)
+
+
+def _forget(key: int, reference: weakref.ref) -> None:
+    entry = _judged.get(key)
+    if entry is not None and entry[0] is reference:
+        del _judged[key]
+
+
+def _given(layer, _function) -> None:
+    """The step's ``given``: a layer given a function gets a class that checkpoints."""
+    cls = type(layer)
+    entry = _judged.get(id(cls))
+    if entry is not None and entry[1] is not None and entry[0]() is cls:
+        judged = entry[1]()
+        if judged is not None and judged is cls.__dict__.get("forward", judged):
+            return  # the usual case, inline: on every assignment of a layer's function
+    _judge(cls)
+
+
+STEP = _checkpoint_path.Step(NAME, given=_given)
 
 
 # -- following the switch --------------------------------------------------------------------------
@@ -187,7 +215,7 @@ def _switched(on: bool) -> None:
                     delattr(cls, "forward")
             elif on and (current is forward or (not own and current is MISSING)):
                 cls.forward = wrapper
-            _judged.pop(cls, None)
+            _judged.pop(id(cls), None)
 
 
 def _probe(layer_class) -> str | None:
@@ -218,8 +246,7 @@ PATCH = Patch(
     summary="A layer class whose forward was replaced after import still checkpoints when checkpointing is on.",
     distribution="transformers",
     requires=">=5.23",
-    targets=_checkpoint_path.targets(_assigned, probe=_probe),
+    targets=_checkpoint_path.targets(STEP, probe=_probe),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
     self_check=_self_check,
-    after=("reentrant-frozen-input-grads",),
 )

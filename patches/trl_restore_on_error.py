@@ -25,7 +25,8 @@ import sys
 from shim import Patch, Target, record_effect
 
 from ._arguments import argument
-from ._checkpointing import any_checkpointing, enable, is_checkpointing
+from ._checkpointing_calls import enable, is_checkpointing
+from ._checkpointing_state import any_checkpointing
 
 log = logging.getLogger("shim")
 NAME = "trl-restore-on-error"
@@ -138,7 +139,7 @@ def _self_check() -> bool:
 
     from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing import enable as enable_checkpointing
+    from ._checkpointing_calls import enable as enable_checkpointing
 
     model = transformers.LlamaForCausalLM(tiny_llama_config())
     enable_checkpointing(model, {"use_reentrant": False})

@@ -74,6 +74,11 @@ class Target(_Spec):
     ``wrapper(instance, value)``: it sees every value assigned to the attribute on an instance and
     returns the value to store; reads return what was stored, as without the shim. The probe is
     given the class.
+
+    ``shared=True``: every patch that declares this target with this same wrapper object shares
+    one layer instead of stacking one each. The layer acts while any of them is on; the wrapper
+    decides what it does for each of them by that patch's own switch (``shim.switch_of``). The
+    checkpointing path's two targets are shared so (``shim.patches._checkpoint_path``).
     """
 
     spec: str
@@ -81,6 +86,7 @@ class Target(_Spec):
     requires: str = ""
     probe: Callable[[object], str | None] | None = None
     assign: bool = False
+    shared: bool = False
     requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:

@@ -60,6 +60,36 @@ class Switch:
         if watcher not in self.watchers:
             self.watchers.append(watcher)
 
+    def unwatch(self, watcher: Callable[[bool], object]) -> None:
+        if watcher in self.watchers:
+            self.watchers.remove(watcher)
+
+
+class SharedSwitch(Switch):
+    """The switch of a layer several patches share (``Target(..., shared=True)``): on while any
+    member's own switch is. What the shared wrapper does for each member, it decides by that
+    member's switch (``shim.switch_of``)."""
+
+    __slots__ = ("members",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.members: dict[str, Switch] = {}
+
+    def join(self, name: str, switch: Switch) -> None:
+        self.members[name] = switch
+        switch.watch(self._follow)
+        self._follow()
+
+    def leave(self, name: str) -> None:
+        switch = self.members.pop(name, None)
+        if switch is not None:
+            switch.unwatch(self._follow)
+        self._follow()
+
+    def _follow(self, _on: bool = False) -> None:
+        self.set(any(switch.on for switch in self.members.values()))
+
 
 def record(patch: str, message: str, *args: object) -> None:
     """Count one effect of ``patch``, described by ``message % args``.

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import wrapt
 
-from .runtime import Switch
+from .runtime import SharedSwitch, Switch
 
 if TYPE_CHECKING:
     from .patch import Patch, Target
@@ -59,13 +59,17 @@ def owner_of(module: object, path: str) -> tuple[Any, str]:
     return parent, attribute
 
 
-def patch_name_of(entry: object) -> str | None:
-    """The patch name stored on ``entry`` if it is a shim wrapper (never looked up through proxies)."""
+def patch_names_of(entry: object) -> tuple[str, ...]:
+    """The patches whose layer ``entry`` is, if it is a shim layer (never looked up through
+    proxies): one name, or every member of a shared layer."""
     try:
+        switch = object.__getattribute__(entry, _SWITCH_ATTRIBUTE)
         name = object.__getattribute__(entry, _PATCH_ATTRIBUTE)
     except (AttributeError, TypeError):
-        return None
-    return name if isinstance(name, str) else None
+        return ()
+    if isinstance(switch, SharedSwitch):
+        return tuple(switch.members)
+    return (name,) if isinstance(name, str) else ()
 
 
 def wrappers_on(target: object) -> list[tuple[str, Any]]:
@@ -81,17 +85,44 @@ def wrappers_on(target: object) -> list[tuple[str, Any]]:
         if target is None:
             return []
     chain = wrapt.wrapper_chain(target)
-    return [(name, entry) for entry in chain if (name := patch_name_of(entry)) is not None]
+    return [(name, entry) for entry in chain for name in patch_names_of(entry)]
 
 
 def find_shim_wrapper(obj: object, name: str) -> Any:
     """Our wrapper for patch ``name`` anywhere in ``obj``'s wrapper chain, or ``None``."""
-    return wrapt.find_wrapper(obj, predicate=lambda entry: patch_name_of(entry) == name)
+    return wrapt.find_wrapper(obj, predicate=lambda entry: name in patch_names_of(entry))
 
 
-def switch_of(wrapper: object) -> Switch:
+def switch_of(wrapper: object, name: str) -> Switch:
+    """The switch patch ``name``'s layer ``wrapper`` answers to for it (a member's own, in a shared layer)."""
     switch: Switch = object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
+    if isinstance(switch, SharedSwitch):
+        return switch.members[name]
     return switch
+
+
+def _wrapper_of(layer: object) -> Any:
+    """The function a shim layer runs: an assign layer's ``assigned``, a wrapt layer's wrapper."""
+    if type(layer) is AssignmentLayer:
+        return layer.assigned
+    try:
+        return object.__getattribute__(layer, "_self_wrapper")
+    except AttributeError:
+        return None
+
+
+def find_shared(obj: object, wrapper: object) -> Any:
+    """The shared layer running ``wrapper`` in ``obj``'s wrapper chain (another patch declared
+    the same shared target), or ``None``."""
+
+    def shares(entry: object) -> bool:
+        try:
+            switch = object.__getattribute__(entry, _SWITCH_ATTRIBUTE)
+        except (AttributeError, TypeError):
+            return False
+        return isinstance(switch, SharedSwitch) and _wrapper_of(entry) is wrapper
+
+    return wrapt.find_wrapper(obj, predicate=shares)
 
 
 class _BoundLayer(wrapt.BoundFunctionWrapper[Any, Any]):
@@ -117,9 +148,27 @@ class _BoundLayer(wrapt.BoundFunctionWrapper[Any, Any]):
 
 
 class _Layer(wrapt.FunctionWrapper[Any, Any]):
-    """A shim layer on a module function: pickled by reference and never copied, like a function."""
+    """A shim layer on a module function: pickled by reference and never copied, like a function.
+
+    Its signature is the wrapped function's, read once: ``inspect.signature`` then takes it as it
+    is instead of unwrapping the layer on every call (transformers asks for the signature of
+    ``_set_gradient_checkpointing`` at every checkpointing enable and disable).
+    """
 
     __bound_function_wrapper__ = _BoundLayer
+    _self_signature: inspect.Signature
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        try:
+            signature = self._self_signature
+        except AttributeError:
+            try:
+                signature = inspect.signature(self.__wrapped__)
+            except (TypeError, ValueError):  # no signature to give: inspect looks as it would without it
+                raise AttributeError("__signature__") from None
+            self._self_signature = signature
+        return signature
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
         return _lookup, (self.__module__, self.__qualname__)
@@ -186,11 +235,22 @@ def _drop_dispatch(owner: object, attribute: str) -> None:
 
 
 def install(
-    module: object, path: str, name: str, wrapper: Callable[..., Any], switch: Switch, assign: bool = False
+    module: object,
+    path: str,
+    name: str,
+    wrapper: Callable[..., Any],
+    switch: Switch,
+    assign: bool = False,
+    shared: bool = False,
 ) -> Any:
     """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle.
     ``assign``: ``wrapper(instance, value)`` is given each value assigned to an instance attribute
-    and returns the value to store (:class:`_AssignmentLayer`)."""
+    and returns the value to store (:class:`AssignmentLayer`). ``shared``: the layer answers to a
+    :class:`SharedSwitch` that ``name`` joins, and other patches may join (:func:`join`)."""
+    if shared:
+        joint = SharedSwitch()
+        joint.join(name, switch)
+        switch = joint
     if assign:
         return _install_assigned(module, path, name, wrapper, switch)
     parent, attribute, _original = wrapt.resolve_path(module, path)
@@ -212,8 +272,14 @@ def install(
     return wrapt.wrap_object(module, path, factory)  # type: ignore[arg-type]  # a factory of one argument
 
 
-def remove(module: object, path: str, handle: object) -> str | None:
-    """Remove our layer only, whatever sits above it; returns a reason when it cannot be removed."""
+def remove(module: object, path: str, handle: object, name: str) -> str | None:
+    """Take patch ``name``'s layer off, whatever sits above it; returns a reason when it cannot be
+    removed. A shared layer loses ``name`` as a member and comes off with its last one."""
+    switch = object.__getattribute__(handle, _SWITCH_ATTRIBUTE)
+    if isinstance(switch, SharedSwitch):
+        switch.leave(name)
+        if switch.members:
+            return None
     if type(handle) is AssignmentLayer:
         if _remove_assigned(handle) or not wrapt.is_wrapped_by(getattr(handle.owner, handle.attribute, None), handle):
             return None
@@ -517,13 +583,13 @@ def others_on(layer: Layer, patch: str) -> list[Other]:
             found.append(Other(spec, BYPASSED, *where))
         return found
     for entry in chain:
-        if entry is layer.handle or patch_name_of(entry) == patch:
+        if entry is layer.handle or patch in patch_names_of(entry):
             break
-        if patch_name_of(entry) is None and (where := _definition(entry, home)) is not None:
+        if not patch_names_of(entry) and (where := _definition(entry, home)) is not None:
             if Other(spec, ABOVE, *where) not in found:
                 found.append(Other(spec, ABOVE, *where))
     for entry in wrapt.wrapper_chain(layer.original):
-        if patch_name_of(entry) is None and (where := _definition(entry, home)) is not None:
+        if not patch_names_of(entry) and (where := _definition(entry, home)) is not None:
             found.append(Other(spec, BELOW, *where))
             break  # the outermost one names it; what it wraps is its business
     return found
@@ -563,7 +629,7 @@ def foreign_targets(patch: Patch, module_names: list[str]) -> list[Other]:
         except PathResolutionError:
             continue
         for entry in wrapt.wrapper_chain(current):  # under the layers of the shim's other patches
-            if patch_name_of(entry) is None:
+            if not patch_names_of(entry):
                 where = _definition(entry, target.module.partition(".")[0])
                 if where is not None:
                     found.append(Other(target.spec, BYPASSED, *where))
@@ -629,10 +695,13 @@ class Layers:
             if handle is not None:
                 # Another registry (or a reloaded shim) already applied it: adopt that layer
                 # and share its switch instead of adding a second one.
-                switch = switch_of(handle)
+                switch = switch_of(handle, patch.name)
+                original = handle.__wrapped__
+            elif target.shared and (handle := find_shared(original, target.wrapper)) is not None:
+                object.__getattribute__(handle, _SWITCH_ATTRIBUTE).join(patch.name, switch)
                 original = handle.__wrapped__
             else:
-                handle = install(module, target.path, patch.name, target.wrapper, switch, target.assign)
+                handle = install(module, target.path, patch.name, target.wrapper, switch, target.assign, target.shared)
             owner, attribute = owner_of(module, target.path)
             layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
             self.installed.append(layer)
@@ -656,10 +725,14 @@ class Layers:
             # rebinding to undo (peft's package re-exports its function that way): given back too.
             copies, _failed = rebind(self.consumers, layer.handle, layer.original)
             log.debug("%s: gave %d later copies of %s back", self.name, len(copies), layer.path)
-        stuck = [problem for layer in reversed(self.installed) if (problem := remove(*layer[:3]))]
+        stuck = [
+            problem
+            for layer in reversed(self.installed)
+            if (problem := remove(layer.module, layer.path, layer.handle, self.name))
+        ]
         for layer in self.replaced:  # from the old object it sits in, if that still holds it
             owner = layer.owner()
-            if owner is not None and (problem := remove(owner, layer.attribute, layer.handle)):
+            if owner is not None and (problem := remove(owner, layer.attribute, layer.handle, self.name)):
                 stuck.append(problem)
         self.installed.clear()
         self.replaced.clear()
@@ -736,7 +809,7 @@ class Layers:
                     or (id(module), layer.attribute) in rebound
                 ):
                     continue
-                if any(patch_name_of(entry) is not None for entry in wrapt.wrapper_chain(value)):
+                if any(patch_names_of(entry) for entry in wrapt.wrapper_chain(value)):
                     continue  # the shim's own layers (this patch's, or another's on the same function)
                 if getattr(value, "__module__", None) == layer.module_name and _definition(value, home) is None:
                     # upstream's own function, as the target held it before another patcher's

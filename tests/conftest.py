@@ -26,6 +26,7 @@ FIRST = (
     "test_cli_edges.py",
     "test_doctor.py",
     "test_catalogue.py",
+    "test_checkpointing_saved_models.py",
     "test_checkpointing_call_signature.py",
     "test_effects_report.py",
 )

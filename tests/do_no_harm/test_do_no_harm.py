@@ -11,7 +11,8 @@ checkpointed run against one without), it says the tolerance: ``RTOL``/``ATOL`` 
 fails without the shim is a broken test, never a pass.
 
 ``DO_NO_HARM=full`` runs every ``torch.compile`` combination (Llama and Qwen2; eval, ``generate()``,
-training without, with reentrant and with non-reentrant checkpointing; backends ``eager`` and
+training without, with reentrant and with non-reentrant checkpointing; a graph break in every layer
+with each checkpoint function of the user's, regional and whole-model; backends ``eager`` and
 ``aot_eager``) instead of a covering subset; ``DO_NO_HARM=inductor`` (or ``full,inductor``) adds
 the ``inductor`` backend, which takes about a minute per case to compile on a CPU.
 """
@@ -120,6 +121,7 @@ EVERYDAY += ["self-checkpointing-forward", "staticmethod-forward", "replaced-for
 EVERYDAY += ["training-arguments"]
 EVERYDAY += ["trl-sft-checkpointing"]
 EVERYDAY += ["kbit-prepare"]
+EVERYDAY += ["saved-models-load", "checkpoint-function-copies"]
 
 
 def test_everyday_workflows_end_as_without_the_shim():
@@ -184,17 +186,27 @@ if "full" in OPT_IN:
         for backend in BACKENDS
     ]
     COMPILED += [f"{fix}/{backend}" for fix in ("fix-keyword", "fix-frozen-input") for backend in BACKENDS]
-else:  # every model, kind, checkpointing and backend at least once
+    COMPILED += [
+        f"graph-break/{function}/{backend}/{how}"
+        for function in ("closure", "partial", "args0")
+        for backend in BACKENDS
+        for how in ("regional", "whole")
+    ]
+else:  # every model, kind, checkpointing and backend at least once; each function of the user's, each way
     COMPILED = ["llama/eval/eager", "qwen2/generate/eager", "llama/train-reentrant/aot_eager"]
     COMPILED += ["qwen2/train-non-reentrant/aot_eager", "qwen2/train-none/eager"]
     COMPILED += ["fix-keyword/aot_eager", "fix-frozen-input/aot_eager"]
+    COMPILED += ["graph-break/closure/eager/whole", "graph-break/partial/aot_eager/regional"]
+    COMPILED += ["graph-break/args0/eager/regional"]
     if "inductor" in OPT_IN:
         COMPILED += ["llama/eval/inductor", "llama/train-reentrant/inductor"]
 
 
 def test_torch_compile_works_as_without_the_shim():
     """Stock Llama and Qwen2 compiled: eval forward, ``generate()``, training steps, each as without
-    the shim. And the two cases the reentrant patches fix, compiled (``fix-*``): with the shim their
+    the shim; training with a graph break in every decoder layer and a checkpoint function of the
+    user's own (a closure, a partial, one that finds its layer), compiled per layer and whole, too
+    (today's shim: ``InternalTorchDynamoError: RecursionError``). And the two cases the reentrant patches fix, compiled (``fix-*``): with the shim their
     gradients equal the uncompiled run without checkpointing, in as many graphs as upstream's. Where
     the checkpoint call is inside the compiled code, upstream already gets them right (dynamo makes
     ``torch.utils.checkpoint`` its own operator) and the shim must change nothing; where it is not

@@ -21,9 +21,10 @@ import transformers
 
 import shim
 from shim import patches as catalogue
-from shim.patches._checkpointing import ModelState, disable, enable, layer_state
+from shim.patches._checkpointing_calls import disable, enable
+from shim.patches._checkpointing_state import ModelState, layer_state
 from shim.selfcheck.models import tiny_llama_config
-from shim.wrapping import find_shim_wrapper, patch_name_of
+from shim.wrapping import find_shim_wrapper, patch_names_of
 from tests.conftest import ROOT
 from tests.patches.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
 from tests.zygote import Zygote
@@ -291,8 +292,9 @@ def test_a_deep_copy_between_disable_and_enable_restores_onto_its_own_modules():
     assert {k: (flag, dict(f.keywords)) for k, (flag, f) in layer_state(twin).items()} == {
         k: (flag, dict(f.keywords)) for k, (flag, f) in configured.items()
     }
-    # A pickled model carries no capture (its functions need not pickle; upstream's hooks already don't).
-    assert pickle.loads(pickle.dumps(model.__dict__[ModelState.KEY])).captured is None
+    # A pickled model carries no capture (its functions need not pickle; upstream's hooks already
+    # don't) and nothing of the shim's: it loads where the shim is not installed.
+    assert pickle.loads(pickle.dumps(model.__dict__[ModelState.KEY])) is None
 
 
 # -- 7, 8: wrapped functions look like the originals ---------------------------------------------------
@@ -335,7 +337,7 @@ def test_bound_wrapped_methods_pickle_and_copy_like_bound_methods():
         bound = getattr(model, name)
         # A shim layer exactly where the registry says one is (enable_input_require_grads: transformers >= 5.0).
         function = type(model).__dict__.get(name) or getattr(transformers.PreTrainedModel, name)
-        assert (patch_name_of(function) is not None) == (name in wrapped), name
+        assert bool(patch_names_of(function)) == (name in wrapped), name
         restored = pickle.loads(pickle.dumps(bound))
         assert type(restored.__self__) is type(model) and restored.__self__ is not model
         assert copy.copy(bound).__self__ is model
@@ -524,7 +526,7 @@ for target_module in TARGET_MODULES:  # every target module there is, as in the 
     except ImportError:
         pass
 from shim import importhooks
-from shim.wrapping import patch_name_of
+from shim.wrapping import patch_names_of
 import wrapt
 importhooks.wait(30)
 layers = {{}}
@@ -535,7 +537,7 @@ for name in shim.registry.names:
             current = wrapt.resolve_path(module, target.path)[2]
         except Exception:
             continue
-        layers[name + " " + target.spec] = sum(1 for e in wrapt.wrapper_chain(current) if patch_name_of(e) == name)
+        layers[name + " " + target.spec] = sum(1 for e in wrapt.wrapper_chain(current) if name in patch_names_of(e))
 from shim.patches.reentrant_keyword_grads import _self_check
 with shim.disabled():
     upstream = _self_check()

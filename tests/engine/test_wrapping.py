@@ -203,3 +203,94 @@ def test_deactivate_takes_the_layer_off_the_class_a_reload_left_behind(fake_modu
 
     assert shim_layers(vars(old)["f"]) == [] and old().f(1) == 1, "the old class keeps no layer, not even inert"
     assert shim_layers(vars(module.Model)["f"]) == [] and module.Model().f(1) == 1
+
+
+# -- a target shared by several patches (Target(..., shared=True)) ------------------------------------
+
+
+def shared_patches(pkg, wrapper, names=("first", "second"), assign=False):
+    """Patches ``names``, each declaring the same shared target with the same ``wrapper``."""
+    path = f"{pkg}.target:Layer.slot" if assign else f"{pkg}.target:f"
+    target = shim.Target(path, wrapper, assign=assign, shared=True)
+    return [
+        shim.Patch(name=name, summary="demo", distribution=pkg, requires=">=1.0", targets=(target,)) for name in names
+    ]
+
+
+SHARED_TARGET = (
+    TARGET
+    + """
+class Layer:
+    pass
+"""
+)
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["function", "assign"])
+def test_patches_sharing_a_target_share_one_layer_on_while_any_of_them_is(fake_modules, assign):
+    pkg = fake_modules(target=SHARED_TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    runs = []
+
+    def wrapper(*args):
+        runs.append(args)
+        if assign:
+            return args[1] * 2
+        wrapped, _instance, call_args, kwargs = args
+        return ("shared", wrapped(*call_args, **kwargs))
+
+    def call():
+        runs.clear()
+        if assign:
+            layer = module.Layer()
+            layer.slot = 3
+            return layer.slot
+        return module.f(3)
+
+    on = 6 if assign else ("shared", 3)
+    registry = Registry(shared_patches(pkg, wrapper, assign=assign))
+    registry.activate()
+    target = f"{pkg}.target:Layer.slot" if assign else f"{pkg}.target:f"
+    layers = shim.wrappers(target)
+    assert [name for name, _layer in layers] == ["first", "second"], registry.status()
+    assert layers[0][1] is layers[1][1], "one layer for both"
+    assert call() == on and len(runs) == 1, "the shared wrapper runs once"
+    registry.disable("first")
+    assert call() == on, "on while either patch is on"
+    registry.disable("second")
+    assert call() == 3 and runs == []
+    registry.enable("first")
+    assert call() == on
+    registry.deactivate()
+    assert shim.wrappers(target) == [] and call() == 3 and runs == []
+    registry.activate()  # "second" stays off: shim.disable() outlives a deactivation
+    assert call() == on and [name for name, _layer in shim.wrappers(target)] == ["first"]
+
+
+def test_a_shared_layer_stays_while_one_of_its_patches_is_applied(fake_modules):
+    pkg = fake_modules(target=SHARED_TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    patches = shared_patches(pkg, tagging("shared"))
+    first, second = Registry(patches[:1]), Registry(patches[1:])
+    first.activate()
+    second.activate()
+    (layer,) = {id(layer) for _name, layer in shim.wrappers(module.f)}
+    assert [name for name, _layer in shim.wrappers(module.f)] == ["first", "second"]
+    first.deactivate()
+    assert [name for name, _layer in shim.wrappers(module.f)] == ["second"]
+    assert module.f(3) == ("shared", 3)
+    second.deactivate()
+    assert shim.wrappers(module.f) == [] and module.f(3) == 3
+
+
+def test_a_shared_target_with_another_wrapper_stacks_as_usual(fake_modules):
+    pkg = fake_modules(target=SHARED_TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    first = shared_patches(pkg, tagging("one"), names=("first",))
+    second = shared_patches(pkg, tagging("two"), names=("second",))
+    registry = Registry(first + second)
+    registry.activate()
+    assert len({id(layer) for _name, layer in shim.wrappers(module.f)}) == 2
+    assert module.f(3) in (("one", ("two", 3)), ("two", ("one", 3)))
+    registry.deactivate()
+    assert module.f(3) == 3

@@ -8,7 +8,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from shim.patches._checkpointing import is_checkpointing
+from shim.patches._checkpointing_calls import is_checkpointing
 from shim.selfcheck.models import quiet_transformers, tiny_llama
 
 quiet_transformers()

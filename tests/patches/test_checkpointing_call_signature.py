@@ -103,10 +103,10 @@ def test_trainer_module_that_bound_the_name_before_import_shim_sees_the_fix():
     assert dpo.disable_gradient_checkpointing is trl.models.utils.disable_gradient_checkpointing
     unpatched = dpo.disable_gradient_checkpointing
     import shim
-    from shim.wrapping import patch_name_of
+    from shim.wrapping import patch_names_of
     import wrapt
     bound = dpo.disable_gradient_checkpointing
-    print(bound is not unpatched, any(patch_name_of(e) == "checkpointing-call-signature" for e in wrapt.wrapper_chain(bound)))
+    print(bound is not unpatched, any("checkpointing-call-signature" in patch_names_of(e) for e in wrapt.wrapper_chain(bound)))
     from tests.patches.test_checkpointing_call_signature import wrapper_class
     from tests.patches.checkpointing_cases import tiny_llama, configure, checkpoint_kwargs
     model = tiny_llama(); configure(model, {"use_reentrant": True})

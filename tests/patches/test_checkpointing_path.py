@@ -59,6 +59,9 @@ from tests.conftest import run_python
 
 TRANSFORMERS = Version(transformers.__version__)
 REPLACED_FORWARD = "replaced-forward-keeps-checkpointing"
+STEPS = ("checkpoint-function-finds-layer", "reentrant-keyword-grads", "reentrant-frozen-input-grads")
+SLOT = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
+SETSTATE = "transformers.modeling_layers:GradientCheckpointingLayer.__setstate__"
 
 from_5_0 = pytest.mark.skipif(
     TRANSFORMERS < Version("5.0"),
@@ -472,6 +475,55 @@ def test_a_layer_finding_function_assigned_to_every_layer_works():
         assert wrong_grads(reference, trainable_grads(model, loss_of)) == []
 
 
+def test_what_a_layer_reads_back_equals_what_was_assigned_and_a_mock_stays_a_mock():
+    """Where a step applies, a layer holds the shim's object: it equals the function assigned
+    (``==`` both ways, the same hash) but is not it; a mock (``unittest.mock.patch.object``) is
+    stored as it is, so a test sees its own object and the calls it records. Upstream, ``is``
+    holds too: said in docs/how-it-works.md ("What the layer holds")."""
+    from unittest import mock
+
+    model = frozen_first_layer_llama()
+    layer = model.model.layers[1]
+    function = functools.partial(checkpoint, use_reentrant=True)
+    layer._gradient_checkpointing_func = function
+    held = layer._gradient_checkpointing_func
+    assert held == function and function == held and hash(held) == hash(function)
+    assert held is not function and held != functools.partial(checkpoint, use_reentrant=True)
+    assert {held: 1}[function] == 1
+    with mock.patch.object(layer, "_gradient_checkpointing_func", wraps=function) as spy:
+        assert layer._gradient_checkpointing_func is spy
+        layer.gradient_checkpointing = True
+        with quiet():
+            loss_of(model).backward()
+        assert spy.call_count == 1
+    assert layer._gradient_checkpointing_func is held
+
+
+@from_5_23
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_function_of_yours_is_handed_plain_functions_it_can_copy(reentrant):
+    """What a checkpoint function of the user's receives: ``func.func`` a plain function
+    (``inspect.isfunction``) whose ``__self__`` is the layer, and a partial that ``copy.copy`` and
+    ``copy.deepcopy`` copy (a bound-method look-alike class recursed there) and that run the layer."""
+    import copy
+    import inspect
+
+    seen = []
+
+    def mine(func, *args, **kwargs):
+        seen.append((inspect.isfunction(func.func), func.func.__self__ is func.args[0]))
+        shallow, deep = copy.copy(func), copy.deepcopy(func)  # a deep copy copies the layer, as upstream's
+        assert shallow.func is func.func and inspect.isfunction(deep.func) and deep.args[0] is not func.args[0]
+        return checkpoint(shallow, *args, use_reentrant=reentrant, **kwargs)
+
+    model = frozen_first_layer_llama()
+    reference = trainable_grads(model, loss_of)
+    assign_to_every_layer(model, mine)
+    with quiet():
+        assert wrong_grads(reference, trainable_grads(model, loss_of)) == []
+    assert seen and all(found == (True, True) for found in seen), seen
+
+
 # -- 4: a class forward compiled, or one that checkpoints itself: checkpointed once ----------------------
 
 
@@ -746,7 +798,8 @@ else:
         torch_first=True,
     )
     assert "raised:" in result.stdout, result.stdout + result.stderr
-    assert "reentrant-keyword-grads" in result.stdout and "GradientCheckpointingLayer" in result.stdout
+    raised_for = [name for name in STEPS if f"patch {name!r}" in result.stdout]
+    assert raised_for and "GradientCheckpointingLayer" in result.stdout, result.stdout
 
 
 def test_without_strict_mode_a_changed_call_shape_skips_the_steps_with_the_reason():
@@ -771,19 +824,26 @@ print("ok")
 # -- 7: what a disable/enable cycle costs -------------------------------------------------------------
 
 
-def test_an_enable_passes_each_layer_through_each_step_once():
-    """One place: an enable gives each layer its function once, and each step looks at it once;
-    the enable path carries one shim layer (checkpointing-restore's capture), not one per fix (on
-    the last release before this path, three fixes each stacked the same installer there, and
-    the cycle cost 1.6x upstream's)."""
-    from shim.wrapping import patch_name_of
+def test_an_enable_passes_each_layer_through_the_path_once():
+    """One place: an enable gives each layer its function once through one shared layer on the slot
+    (however many patches have a step there), and which steps apply is decided once for the
+    function every layer gets; the enable path carries one shim layer (checkpointing-restore's
+    capture), not one per fix (on the last release before this path, three fixes each stacked the
+    same installer there, and the cycle cost 1.6x upstream's)."""
+    from shim.wrapping import patch_names_of
 
     model = tiny_llama(4)
     model.train()
     enable_checkpointing(model, {"use_reentrant": True})
     enable_path = vars(transformers.PreTrainedModel)["_set_gradient_checkpointing"]
-    layers = [entry for entry in wrapt.wrapper_chain(enable_path) if patch_name_of(entry)]
-    assert [patch_name_of(entry) for entry in layers] == ["checkpointing-restore"]
+    layers = [entry for entry in wrapt.wrapper_chain(enable_path) if patch_names_of(entry)]
+    assert [patch_names_of(entry) for entry in layers] == [("checkpointing-restore",)]
+    on_the_path = [name for name in (*STEPS, REPLACED_FORWARD) if shim.registry.is_on(name)]
+    assert len(on_the_path) >= 2
+    for target in (SLOT, SETSTATE):
+        sharing = shim.wrappers(target)
+        assert sorted(name for name, _layer in sharing) == sorted(on_the_path)
+        assert len({id(layer) for _name, layer in sharing}) == 1, "one layer, shared"
 
     calls = collections.Counter()
     roots = tuple(os.path.dirname(path) + os.sep for path in (shim.__file__, shim.patches.__file__))
@@ -798,10 +858,8 @@ def test_an_enable_passes_each_layer_through_each_step_once():
         enable_checkpointing(model, {"use_reentrant": True})
     finally:
         sys.setprofile(None)
-    steps = [name for name in shim.patches._checkpoint_path.STEPS + (REPLACED_FORWARD,) if shim.registry.is_on(name)]
-    assert len(steps) >= 2
-    looked = (
-        calls[("_checkpoint_path.py", "assigned")] + calls[("replaced_forward_keeps_checkpointing.py", "_assigned")]
-    )
-    assert looked == len(steps) * 4, calls  # each step, once per layer
-    assert calls[("wrapping.py", "__set__")] == 4, calls  # one pass down the stacked layers per layer
+    assert calls[("wrapping.py", "__set__")] == 4, calls  # one pass per layer
+    assert calls[("_checkpoint_path.py", "_given")] == 4, calls
+    assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 1, calls  # decided once, shared
+    steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))
+    assert steps_asked <= len(on_the_path), calls

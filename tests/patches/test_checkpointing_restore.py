@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shim
-from shim.patches._checkpointing import disable, enable
+from shim.patches._checkpointing_calls import disable, enable
 from tests.patches.checkpointing_cases import (
     DISABLE,
     ENABLE,

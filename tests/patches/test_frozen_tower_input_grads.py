@@ -16,7 +16,7 @@ import transformers.modeling_utils  # noqa: F401  (the target module: the patch 
 
 import shim
 from shim import runtime as effects
-from shim.patches._checkpointing import disable, enable
+from shim.patches._checkpointing_calls import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
 from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper

@@ -3,7 +3,7 @@
 import pytest
 
 import shim
-from shim.patches._checkpointing import disable, enable
+from shim.patches._checkpointing_calls import disable, enable
 from shim.patches.input_grad_hook_dedupe import input_hook_count
 from tests.patches.checkpointing_cases import DISABLE, ENABLE, TRANSFORMERS, configure, quietly, tiny_llama
 

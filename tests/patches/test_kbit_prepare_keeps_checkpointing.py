@@ -254,3 +254,34 @@ def test_the_probe_reads_peft_s_signature():
         return model
 
     assert "signature changed" in _probe(changed)
+
+
+# -- trl's own copy (trl.experimental.utils, called by its prepare_peft_model for QLoRA) --------------
+
+
+def test_trls_own_copy_keeps_the_configuration_too(spy):
+    """trl (0.28+) carries its own ``prepare_model_for_kbit_training`` with peft's ``None -> {}``;
+    its ``prepare_peft_model`` calls it by that module-level name, which the patch wraps."""
+    utils = pytest.importorskip("trl.experimental.utils")
+    if not hasattr(utils, "prepare_model_for_kbit_training"):
+        pytest.skip("version rule: trl has its own copy from 0.28")
+    configured = {"use_reentrant": False, "preserve_rng_state": False}
+    results = {}
+    for switched in ("off", "on"):
+        model = models.kbit_flagged_llama()
+        configure(model, configured, 2, False)
+        before = describe(model)
+        if switched == "off":
+            with shim.disabled(NAME):
+                quietly(utils.prepare_model_for_kbit_training, model)
+        else:
+            quietly(utils.prepare_model_for_kbit_training, model)
+        results[switched] = (before, describe(model), train_step(model, spy))
+    before, upstream, (upstream_kwargs, _warnings) = results["off"]
+    assert upstream != before, "bug: trl's copy re-enables with {}"
+    assert upstream_kwargs == {()}, "bug: torch's checkpoint gets none of the configured kwargs"
+    before, fixed, (fixed_kwargs, warned) = results["on"]
+    assert fixed == before
+    assert fixed_kwargs == {tuple(sorted(configured.items()))}
+    assert not any(TORCH_WARNING in message for message in warned)
+    assert [name for name, _layer in shim.wrappers(utils.prepare_model_for_kbit_training)] == [NAME]

@@ -6,17 +6,21 @@ layer), and checks that the replacement still runs and the gradients are those o
 checkpointing."""
 
 import contextlib
+import functools
+import gc
+import weakref
 
 import pytest
 import torch
 import transformers
 import wrapt
 from packaging.version import Version
+from torch.utils.checkpoint import checkpoint
 from transformers.models.llama import modeling_llama
 
 import shim
 from shim import runtime as effects
-from shim.selfcheck.models import replaced_forward_llama, tiny_llama
+from shim.selfcheck.models import replaced_forward_llama, tiny_llama, tiny_llama_config
 from shim.selfcheck.steps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
 
 NAME = "replaced-forward-keeps-checkpointing"
@@ -128,3 +132,67 @@ def test_a_stock_model_is_left_alone():
         model = tiny_llama(2)
         enable_checkpointing(model, None)
     assert vars(modeling_llama.LlamaDecoderLayer)["forward"] is forward and effects.count(NAME) == before
+
+
+# -- classes made on the fly are freed -------------------------------------------------------------
+
+
+def given_a_function(model, cls, how):
+    """The layers of ``model`` made of the class ``cls`` (as FSDP2's ``fully_shard`` and peft give a
+    module a class of its own) and given a checkpoint function ``how``, then made of their own class
+    again; for ``"assigned"`` a bare layer of ``cls``."""
+    if how == "assigned":
+        layer = cls(tiny_llama_config(), 0)
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        return
+    for layer in model.model.layers:
+        layer.__class__ = cls
+    enable_checkpointing(model, {"use_reentrant": False})
+    if how == "cycled":  # trl's disable/enable around generation: checkpointing-restore's capture
+        getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+        enable_checkpointing(model, None)
+    for layer in model.model.layers:
+        layer.__class__ = modeling_llama.LlamaDecoderLayer
+
+
+def classes_left_alive(how, count=30, replaced=False) -> int:
+    """``count`` layer classes made on the fly (``type(f"Dyn{i}", (LlamaDecoderLayer,), {})``, the
+    ``forward`` replaced after the class was made when ``replaced``), each used once, then
+    dropped: how many are still alive after ``gc.collect()``."""
+    alive = []
+    model = tiny_llama(2)
+    original = modeling_llama.LlamaDecoderLayer.forward
+
+    def replacement(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    for index in range(count):
+        cls = type(f"Dyn{index}", (modeling_llama.LlamaDecoderLayer,), {})
+        if replaced:  # the patch wraps it again
+            cls.forward = replacement
+        given_a_function(model, cls, how)
+        alive.append(weakref.ref(cls))
+        del cls
+    del model
+    gc.collect()
+    return sum(ref() is not None for ref in alive)
+
+
+@pytest.mark.parametrize("how", ["enabled", "assigned", "cycled"])
+def test_layer_classes_made_on_the_fly_are_freed(how):
+    """FSDP2 and peft make a class per wrapped module. 30 such classes, a model of each enabled (or a
+    bare layer given a function, or a model through trl's disable/enable cycle), everything dropped:
+    every class is freed, as without the shim (today's shim keeps all 30 alive: the patch's record of
+    the forward it last judged, per class, and checkpointing-restore's per-class answer, both plain
+    dicts, cleared only past 1 024 entries)."""
+    with shim.disabled():
+        assert classes_left_alive(how) == 0, "without the shim a class is kept: the test is broken"
+    assert classes_left_alive(how) == 0
+
+
+def test_a_layer_class_made_on_the_fly_with_a_replaced_forward_is_freed():
+    """The same with the ``forward`` replaced after each class was made, so the patch wraps it again
+    and remembers it to follow its switch: freed all the same (today: 30 of 30 alive)."""
+    with shim.disabled():
+        assert classes_left_alive("enabled", replaced=True) == 0, "the test is broken"
+    assert classes_left_alive("enabled", replaced=True) == 0

@@ -73,11 +73,11 @@ def test_reload_adds_no_second_layer_and_the_new_registry_controls_it():
     code = """
     import importlib, wrapt, shim
     import transformers.modeling_utils, transformers.core_model_loading as loading
-    from shim.wrapping import patch_name_of
+    from shim.wrapping import patch_names_of
     importlib.reload(shim)
     importlib.reload(shim)
     shim.activate()
-    layers = lambda: sum(1 for e in wrapt.wrapper_chain(loading.set_param_for_module) if patch_name_of(e))
+    layers = lambda: sum(1 for e in wrapt.wrapper_chain(loading.set_param_for_module) if patch_names_of(e))
     print(layers())
     shim.deactivate()
     print(layers())

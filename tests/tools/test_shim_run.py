@@ -215,7 +215,7 @@ from shim import wrapping
 def layers(obj, name):
     count = 0
     while obj is not None:
-        count += wrapping.patch_name_of(obj) == name
+        count += name in wrapping.patch_names_of(obj)
         obj = getattr(obj, "__wrapped__", None)
     return count
 

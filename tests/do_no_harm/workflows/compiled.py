@@ -13,6 +13,15 @@ Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
   (``layer.compile()``); gradients against the uncompiled run without checkpointing;
 - ``fix-frozen-input/<backend>``: ``shim.selfcheck.models.frozen_input_llama``, reentrant checkpointing,
   ``torch.compile(model)``; gradients against the uncompiled run without checkpointing.
+- ``graph-break/<function>/<backend>/<regional|whole>``: a graph break in every decoder layer
+  (``user_functions.graph_break_in_every_layer``: ``LlamaMLP.forward`` calls
+  ``torch._dynamo.graph_break()``), checkpointing with a function of the user's own set with
+  ``_set_gradient_checkpointing`` (``closure``, a ``partial`` of a module-level function, ``args0``:
+  one that finds its layer as ``func.args[0]``, from transformers 5.23), each non-reentrant, the
+  first two checkpointing a copy of the partial they are handed (``copy.copy``, ``copy.deepcopy``;
+  compiled, dynamo runs a layer that copies it uncompiled, upstream too); every decoder
+  layer compiled in place (``regional``) or ``torch.compile(model)`` (``whole``): two SGD steps,
+  losses and gradients against two uncompiled steps without checkpointing.
 
 ``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
 ``inductor``). "Against" means within ``RTOL``/``ATOL`` (``match``, with the names that do not in
@@ -31,11 +40,15 @@ from __future__ import annotations
 import sys
 
 import torch
+import transformers
+from packaging.version import Version
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
-from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, weights
+from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, user_functions, weights
+
+TRANSFORMERS = Version(transformers.__version__)
 
 RTOL, ATOL = 1e-5, 1e-6  # shim.selfcheck.steps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
 MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: tinymodels.tiny_qwen2(2)}
@@ -84,13 +97,8 @@ def steps(model, forward, count: int = 2) -> tuple[list, list]:
     return losses, gradients
 
 
-def train(model: str, checkpointing: str, backend: str) -> dict:
-    reference = build(model).train()
-    expected_losses, expected_grads = steps(reference, reference)
-    net = build(model).train()
-    if checkpointing != "none":
-        tinysteps.enable_checkpointing(net, {"use_reentrant": checkpointing == "reentrant"})
-    losses, gradients = steps(net, torch.compile(net, backend=backend))
+def compared(net, losses, gradients, expected_losses, expected_grads) -> dict:
+    """Losses, gradients and weights after the steps, and whether they match the reference steps'."""
     wrong = sorted(
         {name for got, expected in zip(gradients, expected_grads) for name in tinysteps.wrong_grads(expected, got)}
     )
@@ -102,6 +110,38 @@ def train(model: str, checkpointing: str, backend: str) -> dict:
         "match": match,
         "wrong": wrong,
     }
+
+
+def train(model: str, checkpointing: str, backend: str) -> dict:
+    reference = build(model).train()
+    expected_losses, expected_grads = steps(reference, reference)
+    net = build(model).train()
+    if checkpointing != "none":
+        tinysteps.enable_checkpointing(net, {"use_reentrant": checkpointing == "reentrant"})
+    losses, gradients = steps(net, torch.compile(net, backend=backend))
+    return compared(net, losses, gradients, expected_losses, expected_grads)
+
+
+def graph_break(function: str, backend: str, how: str) -> dict:
+    """A graph break in every decoder layer, checkpointing with a function of the user's own
+    (``user_functions.NON_REENTRANT[function]``, set with ``_set_gradient_checkpointing``); every
+    decoder layer compiled in place (``regional``) or the whole model
+    (``whole``): two SGD steps against two uncompiled steps without checkpointing."""
+    if function == "args0" and TRANSFORMERS < Version("5.23"):
+        return {"skipped": f"transformers {transformers.__version__}: the layer is func.args[0] from 5.23"}
+    with user_functions.graph_break_in_every_layer():
+        reference = build("llama").train()
+        expected_losses, expected_grads = steps(reference, reference)
+        net = build("llama").train()
+        net._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=user_functions.NON_REENTRANT[function])
+        if how == "regional":
+            for layer in net.model.layers:
+                layer.compile(backend=backend)
+            forward = net
+        else:
+            forward = torch.compile(net, backend=backend)
+        losses, gradients = steps(net, forward)
+    return compared(net, losses, gradients, expected_losses, expected_grads)
 
 
 def fix_keyword(backend: str) -> dict:
@@ -149,6 +189,8 @@ def plan(name: str):
         return lambda: fix_keyword(parts[1])
     if parts[0] == "fix-frozen-input":
         return lambda: fix_frozen_input(parts[1])
+    if parts[0] == "graph-break":
+        return lambda: graph_break(parts[1], parts[2], parts[3])
     model, kind, backend = parts
     if kind == "eval":
         return lambda: evaluate(model, backend)

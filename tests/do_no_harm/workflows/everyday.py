@@ -18,6 +18,10 @@
   the final weights.
 - ``own-checkpoint-function``: checkpointing enabled through ``_set_gradient_checkpointing`` with a
   function of one's own that does not look for its layer (reentrant and not): one training step.
+- ``checkpoint-function-copies``: functions of one's own that copy the partial they are handed
+  (``copy.copy``, of the function under it too, ``copy.deepcopy`` with the layer kept) and checkpoint
+  the copy (``tests/do_no_harm/workflows/user_functions.py``): a closure and a partial of a
+  module-level function, reentrant and not: one training step each.
 - ``replaced-forward``: a decoder-layer class whose ``forward`` was replaced by a function calling the
   original, then checkpointing enabled (non-reentrant): an eval forward's logits and one training step.
 - ``training-arguments`` (from 5.23): ``TrainingArguments`` parsed with the old names, the new ones and neither,
@@ -32,6 +36,13 @@
   peft's ``prepare_model_for_kbit_training`` on a model that does not checkpoint yet, with kwargs of the
   caller's, with ``use_gradient_checkpointing=False``, and on a model that is not quantized, then a LoRA
   adapter and one training step: each layer's checkpointing, the loss, the gradients' digest.
+- ``saved-models-load``: a Llama and a ViT enabled reentrant and not, disabled only, after trl's
+  generation cycle, deep-copied and given a module-level checkpoint function of the user's own
+  (``tests/do_no_harm/workflows/saved_models.py``), saved with ``torch.save`` and ``pickle``, then
+  loaded in a fresh interpreter where ``import shim`` fails and again once it is importable: each
+  file's two training losses (or its error), what each module holds (flag, the checkpoint
+  function's type and the function under its partials), and the modules of the shim that
+  interpreter imported (none: a model saved with the shim loads without it and never imports it).
 
 The checkpointing path (``tests/test_checkpointing_path.py``); each records only what upstream and a
 fixed shim share, and says ``skipped`` where its shape does not exist in the installed transformers:
@@ -61,6 +72,7 @@ import contextlib
 import copy
 import functools
 import io
+import os
 import pickle
 import sys
 import tempfile
@@ -284,6 +296,25 @@ def own_checkpoint_function() -> dict:
         model = llama(3)
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=mine)
         records[f"use_reentrant={reentrant}"] = one_step(model)
+    return records
+
+
+def checkpoint_function_copies() -> dict:
+    """Functions of one's own that copy the partial they are handed (``copy.copy``, of its function
+    too, ``copy.deepcopy`` with the layer kept) and checkpoint the copy: a closure and a partial of a
+    module-level function, reentrant and not, through ``_set_gradient_checkpointing``."""
+    from tests.do_no_harm.workflows import user_functions
+
+    records = {}
+    for reentrant in (True, False):
+        functions = {
+            "closure": user_functions.closure(reentrant),
+            "partial": functools.partial(user_functions.checkpoint_a_copy, use_reentrant=reentrant),
+        }
+        for name, function in functions.items():
+            model = llama(3)
+            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=function)
+            records[f"{name}, use_reentrant={reentrant}"] = step_record(model)
     return records
 
 
@@ -693,6 +724,20 @@ def trl_sft_checkpointing() -> dict:
     return records
 
 
+def saved_models_load() -> dict:
+    """Every object of ``saved_models.OBJECTS`` saved with ``torch.save`` and ``pickle`` by this process,
+    then loaded and trained two steps in a fresh interpreter where ``import shim`` fails, and again
+    there once it is importable: each file's losses and what its layers hold, and the modules of the
+    shim that interpreter imported."""
+    from tests.do_no_harm.workflows import saved_models
+
+    with tempfile.TemporaryDirectory() as directory:
+        folder = os.path.join(directory, "saved")  # the same name in both runs: it keys the records
+        os.mkdir(folder)
+        saved_models.save(folder)
+        return saved_models.load_in_fresh_interpreter([folder], ["blocked", "importable"])
+
+
 CASES = {
     "generate": generate,
     "save-load": save_load,
@@ -701,6 +746,7 @@ CASES = {
     "branch-frozen": lambda: branch_case(frozen=True),
     "trainer-model-init": trainer_model_init,
     "own-checkpoint-function": own_checkpoint_function,
+    "checkpoint-function-copies": checkpoint_function_copies,
     "replaced-forward": replaced_forward,
     "fsdp2-activation-checkpointing": fsdp2_activation_checkpointing,
     "kbit-prepare": kbit_prepare,
@@ -712,6 +758,7 @@ CASES = {
     "replaced-forward-switched-off": replaced_forward_switched_off,
     "training-arguments": training_arguments,
     "trl-sft-checkpointing": trl_sft_checkpointing,
+    "saved-models-load": saved_models_load,
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,218 @@
+"""A model's checkpointing state: which of its modules can checkpoint, what they hold, and putting a
+capture of it back (``checkpointing-restore``, ``kbit-prepare-keeps-checkpointing``, ``trl-restore-on-error``).
+
+Checkpointing state lives only in the modules: each one with a ``gradient_checkpointing`` flag also
+holds ``_gradient_checkpointing_func`` (a ``functools.partial`` of ``torch.utils.checkpoint.checkpoint``
+or of transformers' offload closure, with the configured kwargs).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+
+MISSING = object()
+
+
+def layer_state(model) -> dict:
+    """``{module name: (flag, checkpoint function)}`` for every module that can checkpoint
+    (readable and comparable; the patches use the cheaper :func:`capture`)."""
+    return {
+        name: (module.gradient_checkpointing, getattr(module, "_gradient_checkpointing_func", MISSING))
+        for name, module in model.named_modules()
+        if hasattr(module, "gradient_checkpointing")
+    }
+
+
+# class -> whether it declares a ``gradient_checkpointing`` attribute; weak, so that classes made on
+# the fly (FSDP2's and peft's, one per model) are not kept alive.
+_class_can_checkpoint: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _class_declares_flag(cls) -> bool:
+    known = _class_can_checkpoint.get(cls)
+    if known is None:
+        known = any("gradient_checkpointing" in vars(c) for c in cls.__mro__)
+        try:
+            _class_can_checkpoint[cls] = known
+        except TypeError:  # pragma: no cover - a class without weak references: asked again next time
+            pass
+    return known
+
+
+class _Layout:
+    """Where a model's checkpointing modules sit: each with the ``_modules`` dict that holds it
+    and that dict's size, so a module replaced or removed, or one appended beside them (a layer
+    added to the list), is noticed without walking the model again."""
+
+    __slots__ = ("modules", "places")
+
+    def __init__(self) -> None:
+        self.modules: list = []
+        self.places: list = []  # (holder dict, key, holder size), or None for the model itself
+
+    def current(self) -> bool:
+        for module, place in zip(self.modules, self.places):
+            if place is not None and (place[0].get(place[1]) is not module or len(place[0]) != place[2]):
+                return False
+        return True
+
+
+class ModelState:
+    """What the checkpointing patches keep about one model, stored in the model's own
+    ``__dict__`` so that it lives and dies with the model: a capture may hold a checkpoint function
+    that references the model (a ``context_fn`` bound to it), and kept anywhere else it would keep
+    the model alive. A deep copy carries a copy of the capture, onto its own modules. Pickled, it
+    is ``None``: a saved model loads where the shim is not installed, and nothing of the shim is
+    imported where it is (the capture is transient, and its functions need not pickle).
+    """
+
+    __slots__ = ("layout", "captured")
+    KEY = "_shim_checkpointing_state"
+
+    def __init__(self, captured: list | None = None) -> None:
+        self.layout: _Layout | None = None
+        self.captured = captured  # capture() at the last disable, until the next enable
+
+    @classmethod
+    def of(cls, model) -> ModelState:
+        state = model.__dict__.get(cls.KEY)
+        if state is None:  # none yet, or None as a pickled one loads
+            state = model.__dict__[cls.KEY] = cls()
+        return state
+
+    def __reduce_ex__(self, protocol):
+        return type(None), ()
+
+    def __copy__(self) -> ModelState:
+        return ModelState()
+
+    def __deepcopy__(self, memo: dict) -> ModelState:
+        return ModelState(copy.deepcopy(self.captured, memo))
+
+
+def _scan(model) -> _Layout:
+    """Walk ``_modules`` once with ``__dict__`` reads and a per-class answer (about a third of what
+    transformers' own ``modules()`` and ``hasattr`` walk costs)."""
+    layout = _Layout()
+    seen = set()
+    stack = [(model, None)]
+    known = _class_can_checkpoint
+    while stack:
+        module, place = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        state = module.__dict__
+        declares = known.get(type(module))
+        if declares is None:
+            declares = _class_declares_flag(type(module))
+        if declares or "gradient_checkpointing" in state:
+            layout.modules.append(module)
+            layout.places.append(place)
+        children = state.get("_modules")
+        if children:
+            size = len(children)
+            stack.extend((child, (children, key, size)) for key, child in children.items())
+    return layout
+
+
+def checkpointing_modules(model) -> list:
+    """Every module of ``model`` that can checkpoint, found once and then reused while its
+    layout holds (it runs on every disable: trl's generation cycle).
+
+    Limit: a subtree with checkpointing modules attached after the last walk in a place the
+    layout does not watch is found at the next explicit enable (see :func:`forget_layout`).
+    """
+    state = ModelState.of(model)
+    layout = state.layout
+    if layout is None or not layout.current():
+        layout = state.layout = _scan(model)
+    return layout.modules
+
+
+def forget_layout(model) -> None:
+    """Walk ``model`` again at its next capture (called on an enable that carries a configuration)."""
+    ModelState.of(model).layout = None
+
+
+def capture(model) -> list:
+    """``[(module, flag, checkpoint function)]`` for every module of ``model`` that can checkpoint."""
+    return [
+        (module, module.gradient_checkpointing, module.__dict__.get("_gradient_checkpointing_func", MISSING))
+        for module in checkpointing_modules(model)
+    ]
+
+
+def same_function(first, second) -> bool:
+    """Whether two checkpoint functions do the same: the same object, or partials of the same
+    function with equal arguments (each enable builds a new partial, even for the same configuration)."""
+    if first is second:
+        return True
+    if isinstance(first, functools.partial) and isinstance(second, functools.partial):
+        return (
+            first.func is second.func and first.args == second.args and first.keywords == second.keywords
+        )  # fmt: skip
+    return False
+
+
+def restore(captured: list) -> tuple[int, object]:
+    """Put a :func:`capture` back where it differs from what the modules hold now.
+
+    Returns how many modules it changed and the first checkpoint function it replaced
+    (``MISSING`` if none), which tells what upstream had configured instead.
+    """
+    changed, replaced = 0, MISSING
+    for module, flag, function in captured:
+        differs = module.gradient_checkpointing != flag
+        if function is not MISSING:
+            current = module.__dict__.get("_gradient_checkpointing_func", MISSING)
+            if not same_function(current, function):
+                module._gradient_checkpointing_func = function
+                replaced = current if replaced is MISSING else replaced
+                differs = True
+        if differs:
+            module.gradient_checkpointing = flag
+            changed += 1
+    return changed, replaced
+
+
+def configured_kwargs(functions) -> dict | None:
+    """The kwargs of the checkpoint partial that the checkpointing layers share, or ``None``.
+
+    ``functions`` are ``(flag, function)`` pairs: the values of :func:`layer_state`, or a
+    :func:`capture` read as ``(flag, function) for _module, flag, function in captured``.
+    """
+    for flag, function in functions:
+        if flag and isinstance(function, functools.partial):
+            return dict(function.keywords)
+    return None
+
+
+def captured_kwargs(captured: list) -> dict | None:
+    """:func:`configured_kwargs` of a :func:`capture`."""
+    return configured_kwargs((flag, function) for _module, flag, function in captured)
+
+
+def describe(kwargs) -> str:
+    """A configuration for a log line or an effect: a kwargs dict, :data:`MISSING` (the function
+    :func:`restore` replaced was the same, only the flags differed), ``None`` or a checkpoint function."""
+    if kwargs is MISSING:
+        return "the same kwargs with another layer pattern"
+    if kwargs is None:
+        return "no checkpoint kwargs"
+    if isinstance(kwargs, dict):
+        return repr(kwargs)
+    return f"checkpoint function {getattr(kwargs, '__qualname__', type(kwargs).__name__)}"
+
+
+def replaced_kwargs(replaced):
+    """What :func:`restore` replaced, as :func:`describe` reads it: a partial's kwargs, else itself."""
+    return dict(replaced.keywords) if isinstance(replaced, functools.partial) else replaced
+
+
+def any_checkpointing(model) -> bool:
+    """Whether any module of ``model`` has its checkpointing flag set: transformers'
+    ``is_activation_checkpointing`` for a ``PreTrainedModel``, without its walk."""
+    return any(module.gradient_checkpointing for module in checkpointing_modules(model))
