@@ -10,8 +10,8 @@ per checkpointed call, lets each of its steps whose patch is on change what the 
 handed, in the steps' declared order. Any other shape of call goes to the function unchanged.
 
 Nothing of it outlives the shim: a ``LayerCheckpoint`` pickles and copies as the function the layer
-was given, and what a step hands the checkpoint is a plain ``functools.partial`` of a plain
-function (``torch.compile`` traces it, also across a graph break).
+was given, and what a step hands the checkpoint is a plain ``functools.partial`` of a plain function or of a
+:class:`LayerMethod` (``torch.compile`` traces both, also across a graph break).
 """
 
 from __future__ import annotations
@@ -158,21 +158,35 @@ def layer_of(function):
     return owner if isinstance(owner, layers.GradientCheckpointingLayer) else None
 
 
-@eager
-def bound(function, layer):
-    """``function`` bound to ``layer`` the way a method is: a plain function whose ``__self__`` is
-    the layer and which runs ``function(layer, *args)``, whether or not it is handed the layer
-    again first (``partial(bound(f, layer), layer)`` is both shapes a layer hands over at once)."""
+class LayerMethod:
+    """``function`` bound to ``layer`` as a method is (``__func__``, ``__self__``, ``__name__``), which
+    runs ``function(layer, *args)`` whether or not it is handed the layer again first:
+    ``partial(LayerMethod(f, layer), layer)`` is both shapes a layer hands over at once.
 
-    def method(*args, **kwargs):
+    Not a ``types.MethodType``: ``copy.copy`` of one looks its name up on the layer again, which finds
+    the layer's checkpointing ``forward`` (transformers 5.25) and recurses. Not a plain function with
+    ``__self__``: dynamo will not inline one (a graph break upstream does not have). Plain slots and
+    no ``__getattr__``, so dynamo, which may build one without ``__init__``, reads what it holds."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function, layer) -> None:
+        self.__func__ = function
+        self.__self__ = layer
+
+    def __call__(self, *args, **kwargs):
+        layer = self.__self__
         if args and args[0] is layer:
             args = args[1:]
-        return function(layer, *args, **kwargs)
+        return self.__func__(layer, *args, **kwargs)
 
-    method.__self__ = layer
-    method.__name__ = getattr(function, "__name__", "method")
-    method.__qualname__ = getattr(function, "__qualname__", method.__name__)
-    return method
+    @property
+    def __name__(self) -> str:
+        return getattr(self.__func__, "__name__", "forward")
+
+    def __repr__(self) -> str:
+        name = getattr(self.__func__, "__qualname__", self.__name__)
+        return f"<bound method {name} of {type(self.__self__).__name__} object>"
 
 
 @eager
@@ -183,7 +197,7 @@ def hand_over(function, recompute, layer):
     checkpoint function that finds its layer in the one keeps finding it in the other."""
     if function.args:
         return _partial(recompute, layer)
-    return _partial(bound(recompute, layer))
+    return _partial(LayerMethod(recompute, layer))
 
 
 @eager

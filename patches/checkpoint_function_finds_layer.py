@@ -12,9 +12,10 @@ torch's or transformers' own, however a layer is given it, is handed the layer b
 ``func.args[0]`` are the layer, and ``func(*args)`` as well as ``func.func(*args, **func.keywords)``
 run the same ``forward``. So is the recomputation a reentrant step hands over.
 
-Limits: ``func.func`` is a plain function with a ``__self__`` (``inspect.isfunction`` is true, as
-for the ``forward`` upstream hands over), not a ``types.MethodType``; a model enabled before
-``import shim`` gets the step when its layers are next given a function.
+Limits: ``func.func`` is a bound-method look-alike (``__func__``, ``__self__``, ``__name__``:
+``_checkpoint_function.LayerMethod``), not a ``types.MethodType``, so ``inspect.ismethod`` and
+``inspect.isfunction`` are false for it; a model enabled before ``import shim`` gets the step when
+its layers are next given a function.
 
 Full story, versions measured and references: docs/bugs.md#checkpoint-function-finds-layer
 """
@@ -26,7 +27,7 @@ import functools
 from shim import Patch, record_effect
 
 from . import _checkpoint_path
-from ._checkpoint_function import bind_torch, bound, eager
+from ._checkpoint_function import LayerMethod, bind_torch, eager
 
 NAME = "checkpoint-function-finds-layer"
 
@@ -58,7 +59,7 @@ def _both_ways(layer, function, args):
         "besides func.args[0]",
         type(layer).__name__,
     )
-    return functools.partial(bound(function.func, layer), *function.args, **function.keywords), args
+    return functools.partial(LayerMethod(function.func, layer), *function.args, **function.keywords), args
 
 
 # Last: it hands over, both ways, whatever the steps before it hand the checkpoint.

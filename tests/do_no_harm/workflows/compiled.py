@@ -26,8 +26,8 @@ Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
 ``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
 ``inductor``). "Against" means within ``RTOL``/``ATOL`` (``match``, with the names that do not in
 ``wrong``); tokens must be equal. Every record also counts the graphs dynamo compiled and the graph
-breaks it took (``graphs``, ``breaks``): a layer the shim made untraceable runs, uncompiled, with
-correct results, and only these counts show it.
+breaks it took (``graphs``, ``breaks``, and the distinct reasons, ``reasons``): a layer the shim made
+untraceable runs, uncompiled, with correct results, and only these show it.
 
 Where the checkpoint call is inside the compiled code, upstream's reentrant checkpointing has
 neither bug the two reentrant patches fix (dynamo turns ``torch.utils.checkpoint`` into its own
@@ -174,7 +174,13 @@ def counted(run):
 
         counters.clear()
         record = run()
-        return {**record, "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+        breaks = counters["graph_break"]
+        return {
+            **record,
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(breaks.values()),
+            "reasons": sorted(breaks),
+        }
 
     return case
 
