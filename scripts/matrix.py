@@ -30,13 +30,16 @@ Usage (stdlib only, any python3 >= 3.10; run from anywhere)::
     python3 scripts/matrix.py                      # every cell, then the gate check and README check
     python3 scripts/matrix.py tf5.0-trl0.29        # some cells (README check needs all reports)
     python3 scripts/matrix.py latest               # the newest releases today: its verdict (exit 0)
-    python3 scripts/matrix.py --without latest     # every other cell (CI runs latest beside the e2e tests)
+    python3 scripts/matrix.py --without latest     # every other cell
     python3 scripts/matrix.py --skip-suite default # CI: .ci/run's first line ran the default suite
     python3 scripts/matrix.py --doctor-only        # every cell, doctor but no suite: a quick gate check
     python3 scripts/matrix.py --report-only        # no runs: check and table from doctor-reports/
     python3 scripts/matrix.py --write-readme       # rewrite the README table and shim/measured.json
     python3 scripts/matrix.py --lock tf5.0-trl0.29 # re-resolve a cell's top pins, write full pins
     python3 scripts/matrix.py --jobs 0             # build each cell just before its tests (no overlap)
+    python3 scripts/matrix.py --build-only         # build every cell, run nothing
+    python3 scripts/matrix.py --share DIR          # beside another run with the same DIR: each cell once
+                                                   # (then --report-only for the checks)
 
 The code is the package ``scripts/matrixlib/``, one module per job: ``cells`` (the cells and their
 builds), ``runs`` (suites and doctor in each cell), ``lock`` (``--lock``), ``gates`` (the gate
@@ -62,7 +65,7 @@ from matrixlib import measured  # noqa: E402
 from matrixlib.cells import BY_NAME, CELLS, say  # noqa: E402
 from matrixlib.gates import check, load_reports  # noqa: E402
 from matrixlib.lock import lock  # noqa: E402
-from matrixlib.runs import run_cells  # noqa: E402
+from matrixlib.runs import build_cells, run_cells  # noqa: E402
 from matrixlib.table import readme_block, render, write_readme  # noqa: E402
 
 #: The cells whose measurements decide: every cell but the latest (its verdict is printed, never failing).
@@ -84,12 +87,22 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="CELL",
-        help="leave CELL out (CI: the latest cell runs beside the end-to-end tests)",
+        help="leave CELL out",
     )
     parser.add_argument(
         "--doctor-only", action="store_true", help="run doctor but no suite in every cell (a quick gate check)"
     )
     parser.add_argument("--report-only", action="store_true", help="run nothing; check doctor-reports/")
+    parser.add_argument(
+        "--build-only", action="store_true", help="build the cells and run nothing (CI: while the suite runs)"
+    )
+    parser.add_argument(
+        "--share",
+        metavar="DIR",
+        type=Path,
+        help="share the cells with other runs given the same DIR: each cell is run by the first to reach it; "
+        "the gate, README and measured checks are left to a later --report-only (CI: its two lanes)",
+    )
     parser.add_argument(
         "--write-readme",
         action="store_true",
@@ -115,6 +128,10 @@ def main(argv=None) -> int:
         return 0
 
     selected = [cell for cell in ([BY_NAME[n] for n in args.cells] or CELLS) if cell.name not in args.without]
+    if args.build_only:
+        return 0 if build_cells(selected, args.jobs) else 1
+    if args.share:
+        args.share.mkdir(parents=True, exist_ok=True)
     records = []
     if not args.report_only:
         started = time.monotonic()
@@ -123,13 +140,25 @@ def main(argv=None) -> int:
             for cell in selected
             if args.doctor_only or cell.name in args.skip_suite
         }
-        records = run_cells(selected, skips, args.jobs)
+        records = run_cells(selected, skips, args.jobs, args.share)
         total = time.monotonic() - started
 
     if selected and all(cell.latest for cell in selected) and not args.report_only:
         # Only the latest cell ran: its verdict is all there is to say, and it never fails.
         latest_verdicts(records)
         return 0
+    if args.share:
+        # Some of the cells ran here, the rest in the other runs: what each cell did, and whether any
+        # failed; the checks that need every cell's report follow with --report-only.
+        latest = latest_verdicts(records)
+        show_times(records, args.jobs, total)
+        failed = [r["cell"] for r in records if not r["ok"] and not BY_NAME[r["cell"]].latest]
+        ran = [r["cell"] for r in records if not BY_NAME[r["cell"]].latest]
+        say(
+            f"matrix (shared, this run's cells): {len(ran) - len(failed)} passed, {len(failed)} failed"
+            + "".join(f"; {line}" for line in latest)
+        )
+        return 1 if failed else 0
 
     reports = load_reports(MEASURED)
     problems, notes = check(reports)
@@ -174,16 +203,7 @@ def main(argv=None) -> int:
     latest = latest_verdicts(records)
 
     if records:
-        overlap = f"builds ran {args.jobs} at a time ahead of the tests" if args.jobs else "no builds ahead"
-        say(f"\n=== cell times (seconds; {overlap})")
-        say(f"  {'cell':<16} {'setup':>6} {'waited':>7} {'suite':>6} {'doctor':>7}  result")
-        for r in records:
-            t = r["times"]
-            say(
-                f"  {r['cell']:<16} {t.get('setup', 0):>6.0f} {t.get('waited', 0):>7.0f} {t.get('suite', 0):>6.0f} "
-                f"{t.get('doctor', 0):>7.0f}  {'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}"
-            )
-        say(f"  matrix wall time {total:.0f}s")
+        show_times(records, args.jobs, total)
     bad = bool(failed_cells or problems or not files_ok)
     if records:
         # One plain closing line: cells that passed (setup, suite, doctor, gate check) and those that did not;
@@ -192,6 +212,19 @@ def main(argv=None) -> int:
         failing = (set(failed_cells) | {cell for cell, _ in problems}) & ran
         say(f"matrix: {len(ran - failing)} passed, {len(failing)} failed" + "".join(f"; {line}" for line in latest))
     return 1 if bad else 0
+
+
+def show_times(records: list, jobs: int, total: float) -> None:
+    overlap = f"builds ran {jobs} ahead of the tests" if jobs else "no builds ahead"
+    say(f"\n=== cell times (seconds; {overlap})")
+    say(f"  {'cell':<16} {'setup':>6} {'waited':>7} {'suite':>6} {'doctor':>7}  result")
+    for r in records:
+        t = r["times"]
+        say(
+            f"  {r['cell']:<16} {t.get('setup', 0):>6.0f} {t.get('waited', 0):>7.0f} {t.get('suite', 0):>6.0f} "
+            f"{t.get('doctor', 0):>7.0f}  {'ok' if r['ok'] else 'FAILED'}{'  ' + r['note'] if r['note'] else ''}"
+        )
+    say(f"  matrix wall time {total:.0f}s")
 
 
 def latest_verdicts(records: list) -> list[str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,30 +126,82 @@ def run_doctor(cell: Cell, out: Path) -> bool:
     return True
 
 
-def run_cells(cells: list[Cell], skips: dict, jobs: int) -> list[dict]:
+def claim(cell: Cell, share: Path | None) -> bool:
+    """Whether this run takes ``cell``: always, unless it shares its cells with another run through the
+    folder ``share`` (``--share``), where the first run to create ``share/<cell>`` takes it."""
+    if share is None:
+        return True
+    try:
+        os.close(os.open(share / cell.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def take_and_build(cell: Cell, share: Path | None) -> dict | None:
+    """The cell claimed (:func:`claim`), its report folder emptied and the cell built; ``None`` when
+    another run took it (its reports are that run's to write)."""
+    if not claim(cell, share):
+        return None
+    out = REPORTS / cell.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return build(cell, out)
+
+
+def build_cells(cells: list[Cell], jobs: int) -> bool:
+    """``--build-only``: build the cells, ``jobs`` at a time, and run nothing (CI builds every cell while
+    the README's test command runs: most of a build is waiting for downloads)."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(lambda cell: (cell, take_and_build(cell, None)), cells))
+    ok = True
+    for cell, built in results:
+        ok = show_build(cell, REPORTS / cell.name, built) and ok
+    return ok
+
+
+def run_cells(cells: list[Cell], skips: dict, jobs: int, share: Path | None = None) -> list[dict]:
     """Every cell: build, suite (unless ``skips`` says why not), doctor; times each step.
 
-    Builds run ``jobs`` at a time, in the cells' order, ahead of the tests: while one cell's suite
-    runs, the next cells are built (downloads and unpacking overlap the tests). Suites and doctors
-    run one cell at a time, in order, so the output reads cell by cell. ``jobs=0``: each cell is
-    built just before its tests, nothing overlaps.
+    Builds run ``jobs`` cells ahead of the tests, in the cells' order: while one cell's suite runs,
+    the next ones are built (downloads and unpacking overlap the tests). Suites and doctors run one
+    cell at a time, in order, so the output reads cell by cell. ``jobs=0``: each cell is built just
+    before its tests, nothing overlaps. With ``share``, another run goes through the same cells and
+    each cell is run by the one that reaches it first (:func:`claim`): a build ahead claims its
+    cell, so a run claims at most ``jobs`` cells it has not started testing.
     """
-    outs = {}
-    for cell in cells:
-        outs[cell.name] = REPORTS / cell.name
-        shutil.rmtree(outs[cell.name], ignore_errors=True)
-        outs[cell.name].mkdir(parents=True)
     records = []
+    queue = iter(cells)
+    ahead: deque = deque()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        ahead = [pool.submit(build, cell, outs[cell.name]) for cell in cells] if jobs > 0 else None
-        for index, cell in enumerate(cells):
-            pending = ahead[index] if ahead else pool.submit(build, cell, outs[cell.name])
-            out, skip = outs[cell.name], skips.get(cell.name, "")
+
+        def top_up() -> None:
+            while len(ahead) < max(1, jobs):
+                cell = next(queue, None)
+                if cell is None:
+                    return
+                ahead.append((cell, pool.submit(take_and_build, cell, share)))
+
+        if jobs > 0:
+            top_up()
+        while True:
+            if not ahead:
+                if jobs > 0:
+                    break
+                top_up()  # jobs=0: the next cell is built now, just before its tests
+                if not ahead:
+                    break
+            cell, pending = ahead.popleft()
+            start = time.monotonic()
+            built = pending.result()
+            if jobs > 0:
+                top_up()
+            if built is None:
+                continue  # the other run took it
+            out, skip = REPORTS / cell.name, skips.get(cell.name, "")
             say(
                 f"\n=== cell {cell.name} ({cell.constraints.relative_to(ROOT)}, {cell.python.parents[1].relative_to(ROOT)})"
             )
-            start = time.monotonic()
-            built = pending.result()
             times = {"setup": built["seconds"], "waited": time.monotonic() - start}
             ok = show_build(cell, out, built)
             if ok:

@@ -341,3 +341,32 @@ def test_the_torch_cells_and_the_latest_cell_name_what_they_run_in_the_table():
     )
     for name in ("torch2.14", "torch2.15", "latest"):
         assert all((ROOT / test.split("::")[0]).exists() for test in cells.BY_NAME[name].tests), name
+
+
+def test_runs_that_share_their_cells_run_each_cell_once(tmp_path, monkeypatch):
+    """``--share``: the first run to reach a cell takes it; a cell another run took is neither built
+    nor run here, and its report folder is left alone (CI's two lanes, one folder of claims)."""
+    monkeypatch.setattr(runs, "REPORTS", tmp_path / "reports")
+    ran = []
+    monkeypatch.setattr(
+        runs, "build", lambda cell, out: ran.append(("build", cell.name)) or dict(ok=True, code=0, seconds=0)
+    )
+    monkeypatch.setattr(runs, "show_build", lambda cell, out, built: True)
+    monkeypatch.setattr(runs, "run_suite", lambda cell, out: ran.append(("suite", cell.name)) or True)
+    monkeypatch.setattr(runs, "run_doctor", lambda cell, out: ran.append(("doctor", cell.name)) or True)
+    share = tmp_path / "claims"
+    share.mkdir()
+    picked = [cells.BY_NAME[name] for name in ("tf5.0-trl0.29", "edge-tf5.2", "tf5.14-trl1.0")]
+    assert runs.claim(picked[1], share) and not runs.claim(picked[1], share)  # the other run took edge-tf5.2
+    (tmp_path / "reports" / "edge-tf5.2").mkdir(parents=True)
+    (tmp_path / "reports" / "edge-tf5.2" / "doctor.json").write_text("[]")  # the other run's report
+
+    for jobs in (1, 0):
+        ran.clear()
+        for cell in ("tf5.0-trl0.29", "tf5.14-trl1.0"):
+            (share / cell).unlink(missing_ok=True)
+        records = runs.run_cells(picked, {}, jobs, share)
+        assert [r["cell"] for r in records] == ["tf5.0-trl0.29", "tf5.14-trl1.0"]
+        assert ("build", "edge-tf5.2") not in ran and ("doctor", "edge-tf5.2") not in ran
+        assert (tmp_path / "reports" / "edge-tf5.2" / "doctor.json").exists()
+        assert not runs.run_cells(picked, {}, jobs, share)  # all taken now: a second run finds nothing
