@@ -15,6 +15,10 @@ cd "$(dirname "$0")/.."
 source scripts/_venv.sh
 
 venv_tool
+# No bytecode at install (scripts/_venv.sh): the first interpreter of each environment compiles what it
+# imports and writes it for the ranks after it, a fraction of compiling torch, DeepSpeed and triton whole.
+export SHIM_COMPILE=0
+unset PYTHONDONTWRITEBYTECODE
 
 build_cell() {  # build_cell VENV CONSTRAINTS PACKAGE...   (the stack's packages, beside the shim)
     local venv=$1 constraints=$2 stamp

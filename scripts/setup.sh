@@ -8,7 +8,7 @@
 #                      requires a package the index lacks, scripts/matrixlib/cells.py)
 #   SHIM_RESOLVE=path  the constraints file names packages without pins: resolve the newest releases of
 #                      them (torch included) into path, every package pinned, and build from that (the
-#                      matrix's latest cell; uv only)
+#                      matrix's latest cell; uv only); SHIM_RESOLVE_ONLY=1: resolve, write, build nothing
 # A constraints file whose first line pins another torch than 2.13.0 (torch==2.15.0: the matrix's torch
 # cells) gets that release instead of the CPU build (scripts/_venv.sh, torch_pin); the default never does.
 # Built with uv (scripts/_venv.sh). An environment already built from the same constraints,
@@ -27,6 +27,7 @@ print(' | '.join(f'{d} {m.version(d)}' for d in ('torch', 'transformers', 'trl',
 venv_tool
 if [ -n "${SHIM_RESOLVE:-}" ]; then
     resolve_newest "$constraints" "$SHIM_RESOLVE"
+    [ "${SHIM_RESOLVE_ONLY:-}" = 1 ] && exit 0  # the pins are all that was asked for
     constraints=$SHIM_RESOLVE
 fi
 torch_pin "$constraints"

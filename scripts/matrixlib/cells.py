@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ class Cell:
     #: Its verdict is printed and never fails the matrix; it is not in the README table, the gate check
     #: or the measured ranges: what it measures changes from day to day.
     latest: bool = False
+    #: The cell whose run of the everyday workflows stands for this one's: the same patches applied (the
+    #: README table's columns are equal) on the same layer API, so the shim's code they meet is the same.
+    #: The workflows are left out here (50 of a cell's 110 s of tests); the cell's patch tests still run.
+    workflows_in: str = ""
 
     @property
     def constraints(self) -> Path:
@@ -81,10 +86,10 @@ CELLS = (
     Cell("tf4.57-trl0.25"),
     Cell("edge-trl0.26", suite=False),
     Cell("edge-trl0.28", suite=False),
-    Cell("tf5.0-trl0.29"),
+    Cell("tf5.0-trl0.29", workflows_in="tf5.20-trl1.12"),
     Cell("edge-tf5.2", suite=False),
     Cell("edge-tf5.3", suite=False),
-    Cell("tf5.14-trl1.0"),
+    Cell("tf5.14-trl1.0", workflows_in="tf5.20-trl1.12"),
     Cell("edge-tf5.16", suite=False),
     Cell("tf5.20-trl1.12"),
     Cell("edge-tf5.22", suite=False),
@@ -146,6 +151,41 @@ def build(cell: Cell, out: Path) -> dict:
             ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
     return dict(ok=result.returncode == 0, code=result.returncode, seconds=time.monotonic() - start)
+
+
+def pins(path: Path) -> dict:
+    """``name==version`` lines of a constraints file, names normalised as pip compares them."""
+    found = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;#]+)", line)
+        if match:
+            found[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(2)
+    return found
+
+
+#: What a resolution adds beside the packages (uv writes the build tools a package asks for): not a
+#: difference between two environments that run the same code.
+TOOLING = {"setuptools", "pip", "wheel"}
+
+
+def measured_as(cell: Cell, out: Path) -> str | None:
+    """For the latest cell: resolve the newest releases (``doctor-reports/<cell>/resolved.txt``) and
+    return the measured cell pinned to exactly those releases, if one is; it runs in the same matrix,
+    so building and testing the same environment again would measure nothing new."""
+    env = build_env(cell) | {"SHIM_RESOLVE": str(out / "resolved.txt"), "SHIM_RESOLVE_ONLY": "1"}
+    env["SHIM_VENV"] = str(cell.python.parents[1])
+    with open(out / "resolve.log", "w") as log:
+        result = subprocess.run(
+            ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    if result.returncode:
+        return None  # the build says why
+    newest = {name: v for name, v in pins(out / "resolved.txt").items() if name not in TOOLING}
+    for other in CELLS:
+        if not other.latest and other.constraints.exists():
+            if {name: v for name, v in pins(other.constraints).items() if name not in TOOLING} == newest:
+                return other.name
+    return None
 
 
 def show_build(cell: Cell, out: Path, built: dict) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from .cells import REPORTS, ROOT
+from .cells import CELLS, REPORTS, ROOT
 
 KNOWN_UNFIXED = ROOT / "constraints" / "known-unfixed.txt"
 
@@ -196,4 +196,19 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
     for patch, cell in sorted(set(known) - used):
         if cell in reports:
             problems.add(cell, f"{KNOWN_UNFIXED.name}: '{patch} {cell}' names no measured patch in that cell")
+    for cell in CELLS:  # a cell that leaves its everyday workflows to another must apply the same patches
+        other = cell.workflows_in
+        if other and cell.name in reports and other in reports:
+            mine, theirs = applied(reports[cell.name]), applied(reports[other])
+            if mine != theirs:
+                problems.add(
+                    cell.name,
+                    f"{cell.name} leaves its everyday workflows to {other}, but the patches applied differ "
+                    f"({', '.join(sorted(mine ^ theirs))}): run them there (cells.py, workflows_in)",
+                )
     return problems, notes
+
+
+def applied(report: dict) -> set:
+    """The patches doctor found applied in a cell."""
+    return {name for name, finding in report["findings"].items() if finding.get("state") == "applied"}

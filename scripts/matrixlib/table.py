@@ -30,6 +30,8 @@ def runs_text(cell: Cell) -> str:
         return cell.runs
     if cell.tests:
         return "doctor + " + ", ".join(f"`{test.rsplit('/', 1)[-1]}`" for test in cell.tests)
+    if cell.workflows_in:
+        return f"suite + doctor (everyday workflows: in `{cell.workflows_in}`)"
     return "suite + doctor"
 
 

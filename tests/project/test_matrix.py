@@ -244,7 +244,11 @@ def test_outside_the_default_cell_a_cell_runs_every_patchs_own_tests():
                 assert all((ROOT / test.split("::")[0]).exists() for test in cell.tests), cell.name
             else:
                 assert set(patch_tests) <= set(command), cell.name
+                everyday = "tests/do_no_harm/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim"
+                assert (everyday in command) == (not cell.workflows_in), cell.name
             assert all((ROOT / test.split("::")[0]).exists() for test in runs.CELL_TESTS)
+        if cell.workflows_in:  # the cell named stands for it: it runs them, with the same patches applied
+            assert cells.BY_NAME[cell.workflows_in].suite and not cells.BY_NAME[cell.workflows_in].workflows_in
 
 
 def test_a_cell_built_without_a_dependency_says_so_and_how_it_runs(monkeypatch):
@@ -370,3 +374,39 @@ def test_runs_that_share_their_cells_run_each_cell_once(tmp_path, monkeypatch):
         assert ("build", "edge-tf5.2") not in ran and ("doctor", "edge-tf5.2") not in ran
         assert (tmp_path / "reports" / "edge-tf5.2" / "doctor.json").exists()
         assert not runs.run_cells(picked, {}, jobs, share)  # all taken now: a second run finds nothing
+
+
+def test_the_latest_cell_on_a_measured_cells_releases_runs_nothing_again(tmp_path, monkeypatch, capsys):
+    """When the newest releases on the index are exactly a measured cell's pins (build tools aside),
+    the latest cell's verdict is that cell's, measured in the same matrix: nothing is built or run."""
+    latest, torch215 = cells.BY_NAME["latest"], cells.BY_NAME["torch2.15"]
+    out = tmp_path / "latest"
+    out.mkdir()
+
+    def resolve(command, cwd, env, stdout, stderr):
+        assert env["SHIM_RESOLVE_ONLY"] == "1" and env["SHIM_RESOLVE"] == str(out / "resolved.txt")
+        (out / "resolved.txt").write_text(resolved)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(cells.subprocess, "run", resolve)
+    resolved = torch215.constraints.read_text() + "setuptools==99.0\n"
+    assert cells.measured_as(latest, out) == "torch2.15"
+    resolved = torch215.constraints.read_text().replace("transformers==", "transformers==9") + "\n"
+    assert cells.measured_as(latest, out) is None
+
+    record = dict(cell="latest", ok=True, times={"setup": 3.0}, note="", same_as="torch2.15")
+    assert matrix.latest_verdicts([record]) == ["latest: the releases of torch2.15 (not failing the matrix)"]
+    assert "the same releases as torch2.15" in capsys.readouterr().out
+
+
+def test_a_cell_that_leaves_its_workflows_to_another_must_apply_the_same_patches():
+    """tf5.0 and tf5.14 leave the everyday workflows to tf5.20 (same patches applied, same layer API):
+    the gate check fails the day their applied patches differ."""
+    stand_in = cells.BY_NAME["tf5.0-trl0.29"]
+    assert stand_in.workflows_in == "tf5.20-trl1.12"
+    same = {stand_in.name: report("5.0.0", "fixed"), stand_in.workflows_in: report("5.20.2", "fixed")}
+    for one in same.values():
+        one["findings"]["demo"]["state"] = "applied"
+    assert not [text for _, text in gates.check(same)[0] if "everyday workflows" in text]
+    same[stand_in.name]["findings"]["demo"]["state"] = "skipped"
+    assert [text for _, text in gates.check(same)[0] if "everyday workflows" in text]
