@@ -130,19 +130,19 @@ def main(argv=None) -> int:
     selected = [cell for cell in ([BY_NAME[n] for n in args.cells] or CELLS) if cell.name not in args.without]
     if args.build_only:
         return 0 if build_cells(selected, args.jobs) else 1
+    skips = {
+        cell.name: "doctor only" if args.doctor_only else "suite not run here (--skip-suite)"
+        for cell in selected
+        if args.doctor_only or cell.name in args.skip_suite
+    }
     if args.share:
         args.share.mkdir(parents=True, exist_ok=True)
         # Cells with a suite first, the doctor-only ones (20 s each) last: the lanes then end within a
         # short cell of each other.
-        selected.sort(key=lambda cell: not (cell.suite and cell.name not in args.skip_suite and not args.doctor_only))
+        selected.sort(key=lambda cell: not (cell.suite and cell.name not in skips))
     records = []
     if not args.report_only:
         started = time.monotonic()
-        skips = {
-            cell.name: "doctor only" if args.doctor_only else "suite not run here (--skip-suite)"
-            for cell in selected
-            if args.doctor_only or cell.name in args.skip_suite
-        }
         records = run_cells(selected, skips, args.jobs, args.share)
         total = time.monotonic() - started
 

@@ -143,23 +143,32 @@ def build(cell: Cell, out: Path) -> dict:
     bytecode, 8 s and 8 CPU-seconds without). The default cell, ``.venv``, is built as the README builds it.
     """
     start = time.monotonic()
-    env = build_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])}
-    if cell.latest:
-        env["SHIM_RESOLVE"] = str(out / "resolved.txt")
-    with open(out / "setup.log", "w") as log:
-        result = subprocess.run(
+    extra = {"SHIM_RESOLVE": str(out / "resolved.txt")} if cell.latest else {}
+    code = setup(cell, out / "setup.log", extra)
+    return dict(ok=code == 0, code=code, seconds=time.monotonic() - start)
+
+
+def setup(cell: Cell, log_path: Path, extra: dict) -> int:
+    """``scripts/setup.sh`` for the cell's venv, with ``extra`` variables, its output in ``log_path``."""
+    env = build_env(cell) | {"SHIM_VENV": str(cell.python.parents[1])} | extra
+    with open(log_path, "w") as log:
+        return subprocess.run(
             ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    return dict(ok=result.returncode == 0, code=result.returncode, seconds=time.monotonic() - start)
+        ).returncode
+
+
+def normalized(name: str) -> str:
+    """A distribution's name as pip compares names."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pins(path: Path) -> dict:
-    """``name==version`` lines of a constraints file, names normalised as pip compares them."""
+    """``name==version`` lines of a constraints file, by :func:`normalized` name."""
     found = {}
     for line in path.read_text().splitlines():
         match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;#]+)", line)
         if match:
-            found[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(2)
+            found[normalized(match.group(1))] = match.group(2)
     return found
 
 
@@ -172,13 +181,7 @@ def measured_as(cell: Cell, out: Path) -> str | None:
     """For the latest cell: resolve the newest releases (``doctor-reports/<cell>/resolved.txt``) and
     return the measured cell pinned to exactly those releases, if one is; it runs in the same matrix,
     so building and testing the same environment again would measure nothing new."""
-    env = build_env(cell) | {"SHIM_RESOLVE": str(out / "resolved.txt"), "SHIM_RESOLVE_ONLY": "1"}
-    env["SHIM_VENV"] = str(cell.python.parents[1])
-    with open(out / "resolve.log", "w") as log:
-        result = subprocess.run(
-            ["bash", "scripts/setup.sh", str(cell.constraints)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    if result.returncode:
+    if setup(cell, out / "resolve.log", {"SHIM_RESOLVE": str(out / "resolved.txt"), "SHIM_RESOLVE_ONLY": "1"}):
         return None  # the build says why
     newest = {name: v for name, v in pins(out / "resolved.txt").items() if name not in TOOLING}
     for other in CELLS:

@@ -7,13 +7,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .cells import ROOT, Cell, build_env, say
+from .cells import ROOT, Cell, build_env, normalized, say
 
 LOCK_MARKER = "# --- locked"
-
-
-def normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def top_pins(cell: Cell) -> tuple[str, set]:

@@ -53,10 +53,8 @@ print(json.dumps(dict(versions={d: version(d) for d in __DISTRIBUTIONS__}, patch
 
 #: Tests that a cell runs besides each patch's own ``tests/patches/test_<patch module>.py``: the gradient
 #: comparisons of the checkpointing family and the everyday workflows with the shim off and on.
-CELL_TESTS = (
-    "tests/patches/test_checkpointing_gradients.py",
-    "tests/do_no_harm/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim",
-)
+EVERYDAY_WORKFLOWS = "tests/do_no_harm/test_do_no_harm.py::test_everyday_workflows_end_as_without_the_shim"
+CELL_TESTS = ("tests/patches/test_checkpointing_gradients.py", EVERYDAY_WORKFLOWS)
 
 
 def cell_tests(cell: Cell | None = None) -> list[str]:
@@ -67,7 +65,7 @@ def cell_tests(cell: Cell | None = None) -> list[str]:
     on every release and runs in the default cell."""
     modules = sorted(path.stem for path in (ROOT / "patches").glob("[a-z]*.py"))
     own = [ROOT / "tests" / "patches" / f"test_{name}.py" for name in modules]
-    extra = [test for test in CELL_TESTS if not (cell and cell.workflows_in and "test_do_no_harm" in test)]
+    extra = [test for test in CELL_TESTS if not (test == EVERYDAY_WORKFLOWS and cell and cell.workflows_in)]
     return [str(path.relative_to(ROOT)) for path in own if path.exists()] + extra
 
 
@@ -186,57 +184,50 @@ def run_cells(cells: list[Cell], skips: dict, jobs: int, share: Path | None = No
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
 
         def top_up() -> None:
-            while len(ahead) < max(1, jobs):
-                cell = next(queue, None)
-                if cell is None:
-                    return
+            while len(ahead) < max(1, jobs) and (cell := next(queue, None)) is not None:
                 ahead.append((cell, pool.submit(take_and_build, cell, share)))
 
-        if jobs > 0:
-            top_up()
-        while True:
-            if not ahead:
-                if jobs > 0:
-                    break
-                top_up()  # jobs=0: the next cell is built now, just before its tests
-                if not ahead:
-                    break
+        top_up()
+        while ahead:
             cell, pending = ahead.popleft()
             start = time.monotonic()
             built = pending.result()
-            if jobs > 0:
-                top_up()
-            if built is None:
-                continue  # the other run took it
-            out, skip = REPORTS / cell.name, skips.get(cell.name, "")
-            say(
-                f"\n=== cell {cell.name} ({cell.constraints.relative_to(ROOT)}, {cell.python.parents[1].relative_to(ROOT)})"
-            )
-            times = {"setup": built["seconds"], "waited": time.monotonic() - start}
-            if built.get("same_as"):
-                note = f"the newest releases are {built['same_as']}'s pins: measured there"
-                say(f"--- {cell.name}: {note} (doctor-reports/{cell.name}/resolved.txt)")
-                record = dict(cell=cell.name, ok=True, times=times, note=note, same_as=built["same_as"])
-                (out / "times.json").write_text(json.dumps(record))
-                records.append(record)
-                continue
-            ok = show_build(cell, out, built)
-            if ok:
-                if cell.suite and not skip:
-                    start = time.monotonic()
-                    ok = run_suite(cell, out)
-                    times["suite"] = time.monotonic() - start
-                start = time.monotonic()  # doctor runs even after a failing suite: its report helps
-                ok = run_doctor(cell, out) and ok
-                times["doctor"] = time.monotonic() - start
-            note = "doctor only" if not cell.suite else skip
-            record = dict(cell=cell.name, ok=ok, times=times, note=note)
-            (out / "times.json").write_text(json.dumps(record))
-            say(
-                f"--- {cell.name}: {'ok' if ok else 'FAILED'}; setup {times['setup']:.0f}s "
-                f"(waited {times['waited']:.0f}s), "
-                + ", ".join(f"{k} {times[k]:.0f}s" for k in ("suite", "doctor") if k in times)
-                + (f" ({note})" if note else "")
-            )
-            records.append(record)
+            if jobs:
+                top_up()  # the next builds run while this cell's tests do
+            if built is not None:  # None: the other run took it
+                records.append(run_cell(cell, built, time.monotonic() - start, skips.get(cell.name, "")))
+            if not jobs:
+                top_up()  # the next cell is built now, just before its tests
     return records
+
+
+def run_cell(cell: Cell, built: dict, waited: float, skip: str) -> dict:
+    """A built cell's suite (unless ``skip`` says why not) and doctor, timed; its record."""
+    out = REPORTS / cell.name
+    say(f"\n=== cell {cell.name} ({cell.constraints.relative_to(ROOT)}, {cell.python.parents[1].relative_to(ROOT)})")
+    times = {"setup": built["seconds"], "waited": waited}
+    if built.get("same_as"):
+        note = f"the newest releases are {built['same_as']}'s pins: measured there"
+        say(f"--- {cell.name}: {note} (doctor-reports/{cell.name}/resolved.txt)")
+        record = dict(cell=cell.name, ok=True, times=times, note=note, same_as=built["same_as"])
+        (out / "times.json").write_text(json.dumps(record))
+        return record
+    ok = show_build(cell, out, built)
+    if ok:
+        if cell.suite and not skip:
+            start = time.monotonic()
+            ok = run_suite(cell, out)
+            times["suite"] = time.monotonic() - start
+        start = time.monotonic()  # doctor runs even after a failing suite: its report helps
+        ok = run_doctor(cell, out) and ok
+        times["doctor"] = time.monotonic() - start
+    note = "doctor only" if not cell.suite else skip
+    record = dict(cell=cell.name, ok=ok, times=times, note=note)
+    (out / "times.json").write_text(json.dumps(record))
+    say(
+        f"--- {cell.name}: {'ok' if ok else 'FAILED'}; setup {times['setup']:.0f}s "
+        f"(waited {times['waited']:.0f}s), "
+        + ", ".join(f"{k} {times[k]:.0f}s" for k in ("suite", "doctor") if k in times)
+        + (f" ({note})" if note else "")
+    )
+    return record
