@@ -10,7 +10,8 @@ module's flag and checkpoint function into the model's own ``__dict__``; after a
 brought no configuration of its own (kwargs empty or equal to the capture, no ``every_n_layers`` or
 ``offload`` written by the caller) that state is put back. The enable side wraps the implementation
 every entry point reaches, never the deprecated alias whose identity ``_is_overridden`` compares.
-A model's first enable also has the engine look for other patchers (``shim.notice_others``).
+A model's first enable is a lookout (``Target(..., lookout=True)``): the engine looks for other
+patchers then, before the first training step.
 
 Limits: an explicit configuration wins and drops the capture. A model whose
 ``_set_gradient_checkpointing`` override does not call ``super()`` is not restored.
@@ -21,9 +22,8 @@ Full story, versions measured and references: docs/bugs.md#checkpointing-restore
 from __future__ import annotations
 
 import contextvars
-import weakref
 
-from shim import Patch, Target, notice_others, record_effect
+from shim import Patch, Target, record_effect
 
 from ._arguments import argument
 from ._checkpointing_state import (
@@ -42,8 +42,6 @@ NAME = "checkpointing-restore"
 # Whether the caller of the public enable passed every_n_layers or offload itself. From 5.23 the
 # public method always hands both to the implementation, so "explicit" is decided where the user's
 # call comes in, not by value: an explicit every_n_layers=1 is a configuration too.
-# Models whose first enable has asked the engine to look for other patchers (shim.notice_others).
-_noticed: weakref.WeakSet = weakref.WeakSet()
 _explicit_layout: contextvars.ContextVar[bool | None] = contextvars.ContextVar("shim_explicit_layout", default=None)
 
 
@@ -80,9 +78,6 @@ def _restoring_enable(kwargs_name: str):
         result = wrapped(*args, **kwargs)
         if instance is None:
             return result
-        if instance not in _noticed:  # training sets up: say now if another patcher bypasses a fix
-            _noticed.add(instance)
-            notice_others()
         state = ModelState.of(instance)
         captured, state.captured = state.captured, None
         explicit = _explicit_layout.get()
@@ -141,11 +136,13 @@ PATCH = Patch(
             "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
             _restoring_enable("gradient_checkpointing_kwargs"),
             requires="transformers<5.23",
+            lookout=True,
         ),
         Target(
             "transformers.modeling_utils:PreTrainedModel._activation_checkpointing_enable",
             _restoring_enable("activation_checkpointing_kwargs"),
             requires="transformers>=5.23",
+            lookout=True,
         ),
         Target(
             "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable",

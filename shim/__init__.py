@@ -20,8 +20,9 @@ Public API::
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``, ``shim.SameFix``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
 ``shim.switch_of(name)``, the live on/off switch of a patch, for a hook it installs outside its
-wrappers; ``shim.written_by(obj)``, where another patcher's object was written, and
-``shim.notice_others()``, to log other patchers on the shim's targets at a moment of the patch's.
+wrappers; ``shim.written_by(obj)``, where another patcher's object was written. The engine looks
+for other patchers when a patch applies, when a status is read and at a target declared
+``Target(..., lookout=True)``; ``shim.notice_others()`` looks at a moment of your own.
 ``shim.selfcheck.models`` builds the tiny models of self-checks, tests and benchmarks.
 """
 
@@ -31,7 +32,7 @@ import importlib
 import logging
 
 from . import catalogue, settings
-from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED
+from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, State
 from .registry import Registry
 from .runtime import record as record_effect
 from .settings import PatchError, ShimWarning
@@ -43,6 +44,7 @@ __all__ = [
     "FAILED",
     "PENDING",
     "SKIPPED",
+    "State",
     "Patch",
     "PatchError",
     "PatchStatus",
@@ -68,7 +70,7 @@ __all__ = [
 
 # Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
 # which only a patch that applies, or a status, has to pay for.
-_LAZY = {"Patch": "patch", "Target": "patch", "SameFix": "patch", "PatchStatus": "records", "written_by": "wrapping"}
+_LAZY = {"Patch": "patch", "Target": "patch", "SameFix": "patch", "PatchStatus": "records", "written_by": "others"}
 
 
 def __getattr__(name: str) -> object:

@@ -24,8 +24,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
+    from .layers import Resolved
     from .patch import Declared, Patch, Target
-    from .wrapping import Resolved
 
 
 # -- installed versions and version gates ----------------------------------------------------------
@@ -66,26 +66,26 @@ def specifier_set(text: str) -> SpecifierSet:
     return SpecifierSet(text)
 
 
-class GateDecision(NamedTuple):
+class VersionCheck(NamedTuple):
     admitted: bool
     installed: str | None
     gated_as: str | None
     reason: str
 
 
-def decide(distribution: str, specifier: SpecifierSet) -> GateDecision:
+def check_versions(distribution: str, specifier: SpecifierSet) -> VersionCheck:
     """Whether the installed ``distribution`` falls inside ``specifier`` (see the module docstring)."""
     installed = installed_version(distribution)
     if installed is None:
-        return GateDecision(False, None, None, f"{distribution} is not installed")
+        return VersionCheck(False, None, None, f"{distribution} is not installed")
     try:
         gated_as = Version(installed).base_version
     except InvalidVersion:
-        return GateDecision(False, installed, None, f"{distribution} {installed} is not a PEP 440 version")
+        return VersionCheck(False, installed, None, f"{distribution} {installed} is not a PEP 440 version")
     shown = installed if gated_as == installed else f"{installed} (gated as {gated_as})"
     admitted = specifier.contains(gated_as, prereleases=True)
     verdict = "inside" if admitted else "outside"
-    return GateDecision(admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {specifier}")
+    return VersionCheck(admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {specifier}")
 
 
 # -- the releases the shim was measured on ---------------------------------------------------------
@@ -129,7 +129,7 @@ def newer_than_measured(distribution: str) -> str | None:
 
 
 class Gate(NamedTuple):
-    decision: GateDecision
+    versions: VersionCheck
     skip: str | None  # why the patch must not apply here, or None
     reason: str  # what the status says when it applies
 
@@ -137,38 +137,38 @@ class Gate(NamedTuple):
 def gate(declared: Declared, forced: bool) -> Gate:
     """The patch's version gate. ``SHIM_FORCE`` lets a patch apply outside it, not where its
     distribution is missing or its version cannot be read."""
-    decision = decide(declared.distribution, specifier_set(declared.requires))
-    if decision.admitted:
-        return Gate(decision, None, decision.reason)
-    if forced and decision.gated_as is not None:
-        return Gate(decision, None, f"{decision.reason}, applied anyway because of SHIM_FORCE")
-    return Gate(decision, decision.reason, decision.reason)
+    versions = check_versions(declared.distribution, specifier_set(declared.requires))
+    if versions.admitted:
+        return Gate(versions, None, versions.reason)
+    if forced and versions.gated_as is not None:
+        return Gate(versions, None, f"{versions.reason}, applied anyway because of SHIM_FORCE")
+    return Gate(versions, versions.reason, versions.reason)
 
 
-def between_releases(decision: Gate, patch: Patch) -> Gate:
+def between_releases(by_release: Gate, patch: Patch) -> Gate:
     """A build between releases that the gate leaves out (a version with a local, dev or pre-release
     part, gated as its release): where the patch looks for upstream's fix (``Patch.upstream_fix``),
     what it finds decides, not the version alone. Called with the patch's target modules imported."""
-    found = decision.decision
-    if decision.skip is None or patch.upstream_fix is None or found.gated_as in (None, found.installed):
-        return decision
+    versions = by_release.versions
+    if by_release.skip is None or patch.upstream_fix is None or versions.gated_as in (None, versions.installed):
+        return by_release
     try:
         fix = patch.upstream_fix()
     except Exception as exc:  # the release decides, as without the probe
-        return Gate(found, f"{decision.skip}; looking for upstream's fix raised {exc!r}", decision.reason)
+        return Gate(versions, f"{by_release.skip}; looking for upstream's fix raised {exc!r}", by_release.reason)
     if fix:
-        return Gate(found, f"{decision.skip}; this build has upstream's fix: {fix}", decision.reason)
-    return Gate(found, None, f"{found.reason}, but this build between releases lacks upstream's fix")
+        return Gate(versions, f"{by_release.skip}; this build has upstream's fix: {fix}", by_release.reason)
+    return Gate(versions, None, f"{versions.reason}, but this build between releases lacks upstream's fix")
 
 
 def pending(declared: Declared, reason: str, forced: bool) -> tuple[bool, str, str | None]:
     """How a patch still pending shows (skipped?, reason, installed version), in ``shim.status()``
     and in the log alike: outside its gate it is skipped, even where its target module does not
     exist in that release; its hooks stay, so ``SHIM_FORCE`` set later still applies it."""
-    decision = gate(declared, forced)
-    if decision.skip is not None:
-        return True, decision.skip, decision.decision.installed
-    return False, f"{reason}; {decision.decision.reason}", decision.decision.installed
+    found = gate(declared, forced)
+    if found.skip is not None:
+        return True, found.skip, found.versions.installed
+    return False, f"{reason}; {found.versions.reason}", found.versions.installed
 
 
 class Problem(NamedTuple):
@@ -184,32 +184,33 @@ class Resolution(NamedTuple):
     problem: Problem | None
 
 
-def resolve(patch: Patch, module_names: list[str], decision: Gate) -> Resolution:
+def resolve_targets(patch: Patch, module_names: list[str], found: Gate) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here."""
-    from . import wrapping
+    from . import assigning, wrapping
+    from .layers import Resolved
 
     resolved, notes = [], []
     for target in patch.targets:
         if target.module not in module_names:
             continue
         requirement = target.requirement
-        if requirement is not None and not decide(requirement.name, requirement.specifier).admitted:
+        if requirement is not None and not check_versions(requirement.name, requirement.specifier).admitted:
             notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
         module = sys.modules[target.module]
         owner: object
         try:
             if target.assign:  # the class must exist; the attribute need not
-                owner, original = wrapping.resolve_assigned(module, target.path)
+                owner, original = assigning.resolve(module, target.path)
             else:
-                owner = original = wrapping.resolve(module, target.path)
+                owner = original = wrapping.object_at(module, target.path)
         except wrapping.PathResolutionError:
-            missing = f"target {target.spec} does not exist in {decision.decision.installed}"
+            missing = f"target {target.spec} does not exist in {found.versions.installed}"
             return Resolution([], notes, Problem(missing))
-        problem = _probe(patch, target, owner, decision.decision.reason)
+        problem = _probe(patch, target, owner, found.versions.reason)
         if problem is not None:
             return Resolution([], notes, problem)
-        resolved.append(wrapping.Resolved(target, module, original))
+        resolved.append(Resolved(target, module, original))
     return Resolution(resolved, notes, None)
 
 

@@ -30,21 +30,6 @@ finders after it in ``sys.meta_path`` directly, with the ``path`` the import sys
 ``importlib.util.find_spec``, which would import and lock the parent package from inside the
 import), and wraps the loader they return so that the module's hooks run right after its body. For
 every other module it answers ``None`` at once.
-
-The shim's locks are made safe across ``os.fork()`` here.
-
-A lock that another thread holds at the moment of ``fork`` stays held forever in the child, where
-that thread does not exist: a DataLoader worker started with ``fork`` while a thread was applying
-a patch would hang at its first target import. So, as ``logging`` does for its own locks, every
-lock the shim owns is created here and:
-
-- before ``fork``, taken by the forking thread (registries' first, then the module locks), so the
-  child never sees the state they protect half-changed; a lock still held after
-  :data:`FORK_WAIT` seconds is left alone (the fork is never blocked for long);
-- after ``fork``, released in the parent and re-initialised in the child.
-
-``fork`` from a thread that is itself inside a registry operation (a hook that forks) is fine:
-the registries' locks are re-entrant.
 """
 
 from __future__ import annotations
@@ -53,60 +38,10 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-# -- locks that survive os.fork() ------------------------------------------------------------------
-
-#: How long the forking thread waits for each lock another thread holds before forking anyway.
-FORK_WAIT = 5.0
-
-_guard = threading.Lock()  # protects the two collections below
-_outer: weakref.WeakSet[Any] = weakref.WeakSet()  # registries' locks (one per registry)
-_inner: list[Any] = []  # module-level locks (import hooks, effects ledger), in creation order
-_taken: list[Any] = []  # what the forking thread holds between "before" and "after"
-
-
-def fork_safe_rlock() -> threading.RLock:
-    """A re-entrant lock for one registry (kept weakly: a registry may be thrown away)."""
-    lock = threading.RLock()
-    with _guard:
-        _outer.add(lock)
-    return lock
-
-
-def fork_safe_lock() -> threading.Lock:
-    """A module-level lock, taken after every registry's lock around a fork."""
-    new = threading.Lock()
-    with _guard:
-        _inner.append(new)
-    return new
-
-
-def _before() -> None:
-    _guard.acquire()
-    # Registries' locks first: code that holds one may take a module lock, never the reverse.
-    for each in [*_outer, *_inner]:
-        if each.acquire(timeout=FORK_WAIT):
-            _taken.append(each)
-
-
-def _after_in_parent() -> None:
-    while _taken:
-        _taken.pop().release()
-    _guard.release()
-
-
-def _after_in_child() -> None:
-    _taken.clear()
-    for each in [*_outer, *_inner, _guard]:
-        each._at_fork_reinit()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
-
+from .forks import fork_safe_lock
 
 # -- the finder ------------------------------------------------------------------------------------
 

@@ -79,6 +79,11 @@ class Target(_Spec):
     one layer instead of stacking one each. The layer acts while any of them is on; the wrapper
     decides what it does for each of them by that patch's own switch (``shim.switch_of``). The
     checkpointing path's two targets are shared so (``shim.patches._checkpoint_path``).
+
+    ``lookout=True``: a call of this target is a moment a training run sets up (a model's
+    checkpointing enable). At the first such call for each instance, while the patch is on, the
+    engine looks for other patchers on the shim's targets and logs each new one, so a patcher that
+    bypasses a fix is named before the first training step, not only by a status.
     """
 
     spec: str
@@ -87,6 +92,7 @@ class Target(_Spec):
     probe: Callable[[object], str | None] | None = None
     assign: bool = False
     shared: bool = False
+    lookout: bool = False
     requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -114,7 +120,7 @@ class SameFix(_Spec):
     ``spec`` (``"package.module:Class.attribute"``) is where it puts its code; it is named once
     ``Class`` has a true attribute ``mark`` and ``spec`` holds code that is not upstream's.
     ``covers`` says for what its fix holds (the shim's may cover more). Looked at wherever the shim
-    looks for other patchers (:meth:`shim.Registry.notice_others`, a status), never imported: a
+    looks for other patchers (``shim.others``: a patch applied, a status, a lookout target), never imported: a
     module nobody imported has nobody's fix in it.
     """
 

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import runtime
+from . import gating, runtime
+from .entry import State
 
 if TYPE_CHECKING:
     from .entry import Entry
@@ -33,11 +34,12 @@ class PatchStatus:
     run there; ``above``: it runs first, then the fix; ``below``: the fix runs first, then it;
     ``same fix``: beside the targets, a patcher the patch declares fixes the same bug, and
     ``covers`` says for what), ``by`` (``module:qualname``), ``file`` and ``text`` (the line the
-    tables show).
+    tables show). ``suspended``: inside a ``shim.disabled()`` block, the patch's layers are off
+    whatever its state.
     """
 
     name: str
-    state: str
+    state: State
     reason: str
     targets: tuple[str, ...]
     requires: str
@@ -47,17 +49,25 @@ class PatchStatus:
     effects: int = 0
     last_effect: str = ""
     others: tuple[dict[str, str], ...] = ()
+    suspended: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        out["state"] = self.state.value
+        return out
 
 
-def status_of(entry: Entry, forced: bool) -> PatchStatus:
-    """What ``shim.status()`` says of one patch: its entry's state (:meth:`Entry.view`), the
-    declaration, and the effects it has had."""
+def status_of(entry: Entry) -> PatchStatus:
+    """What ``shim.status()`` says of one patch (refreshed by the registry just before): its
+    entry's state and reason, the declaration, other patchers on its targets, and its effects."""
     declared = entry.declared
-    state, reason, installed = entry.view(forced)
-    others = tuple(other._asdict() | {"text": other.text()} for other in entry.others())
+    reason = entry.reason
+    installed = entry.installed_version or gating.installed_version(declared.distribution)
+    found = []
+    if entry.layers or entry.blocked_by:
+        from . import others
+
+        found = others.of_entry(entry)
     try:
         patch: Patch | None = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
@@ -65,7 +75,7 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
     reason = "; ".join([reason, *newer_than_measured(declared.distribution, patch)])
     return PatchStatus(
         name=declared.name,
-        state=state,
+        state=entry.state,
         reason=reason,
         targets=tuple(t.spec for t in patch.targets) if patch else (),
         requires=f"{declared.distribution}{declared.requires}",
@@ -74,7 +84,8 @@ def status_of(entry: Entry, forced: bool) -> PatchStatus:
         references=links(patch.references) if patch else (),
         effects=runtime.count(declared.name),
         last_effect=runtime.last(declared.name),
-        others=others,
+        others=tuple(other._asdict() | {"text": other.text()} for other in found),
+        suspended=entry.suspended > 0,
     )
 
 
@@ -85,12 +96,10 @@ RUN_DOCTOR = "run `python -m shim doctor`"
 def newer_than_measured(distribution: str, patch: Patch | None) -> list[str]:
     """For the patch's distribution and those its targets require: where the installed release is
     newer than any the matrix measured, a sentence that says so and what to run."""
-    from .gating import newer_than_measured as newer
-
     names = [distribution]
     if patch is not None:
         names += [t.requirement.name for t in patch.targets if t.requirement is not None]
-    notes = (newer(name) for name in dict.fromkeys(names))
+    notes = (gating.newer_than_measured(name) for name in dict.fromkeys(names))
     return [f"{note}: {RUN_DOCTOR}" for note in notes if note]
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import importhooks, settings
+from . import forks, importhooks, settings
 from .entry import Entry
 from .settings import PatchError
 
@@ -31,7 +32,7 @@ class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
     def __init__(self, patches: Sequence[Declared] = ()) -> None:
-        self._lock = importhooks.fork_safe_rlock()
+        self._lock = forks.fork_safe_rlock()
         self._entries: dict[str, Entry] = {}
         self._hooks: dict[tuple[str, str], importhooks.Hook] = {}  # (patch, module or "reload:" + module) -> hook
         self._active = False
@@ -93,7 +94,7 @@ class Registry:
         :meth:`deactivate`/:meth:`activate`. After :meth:`deactivate` it applies the named
         patches again (and only those); a patch that failed is tried again.
         """
-        names = self._resolve(names)
+        names = self._names_or_all(names)
         with self._lock:
             for name in names:
                 self._entries[name].enable()
@@ -104,14 +105,14 @@ class Registry:
     def disable(self, *names: str) -> None:
         """Switch patches off at once (all when no names are given); their layers stay, inert."""
         with self._lock:
-            for name in self._resolve(names):
+            for name in self._names_or_all(names):
                 self._entries[name].disable()
 
     @contextlib.contextmanager
     def disabled(self, *names: str) -> Iterator[None]:
         """Switch patches off inside the block (all when no names are given). Process-wide, not per thread."""
         with self._lock:
-            entries = [self._entries[name] for name in self._resolve(names)]
+            entries = [self._entries[name] for name in self._names_or_all(names)]
             for entry in entries:
                 entry.suspend(+1)
         try:
@@ -143,19 +144,20 @@ class Registry:
             pass
         with self._lock:
             forced = settings.read(self._entries).forced
-            return [status_of(entry, entry.name in forced) for entry in self._entries.values()]
+            for entry in self._entries.values():
+                entry.refresh(entry.name in forced)
+            return [status_of(entry) for entry in self._entries.values()]
 
-    def notice_others(self) -> None:
-        """Look for other patchers on the applied patches' targets now and log each new one once
-        (a warning where it bypasses a fix), without the walk over ``sys.modules`` a status makes.
-        For a moment that is not on a hot path (a model's checkpointing enable); never raises."""
-        try:
-            with self._lock:
-                for entry in self._entries.values():
-                    if entry.layers:
-                        entry.others(consumers=False)
-        except Exception:  # naming another patcher must never cost the user's training
-            log.debug("could not look for other patchers", exc_info=True)
+    @staticmethod
+    def notice_others() -> None:
+        """Look for other patchers on the applied patches' targets (of every registry) now and log
+        each new one once (a warning where it bypasses a fix), without the walk over
+        ``sys.modules`` a status makes. The engine looks by itself when a patch applies, when a
+        status is read and at a lookout target (``Target(..., lookout=True)``); this is for a
+        moment of your own that is not on a hot path. Never raises."""
+        others = sys.modules.get("shim.others")
+        if others is not None:  # else nothing has applied, and there is nothing to look at
+            others.look()
 
     # -- applying -------------------------------------------------------------------------------
 
@@ -166,7 +168,7 @@ class Registry:
             raise KeyError(unknown(name, list(self._entries)))
         return entry
 
-    def _resolve(self, names: tuple[str, ...]) -> tuple[str, ...]:
+    def _names_or_all(self, names: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(self._entry(name).name for name in names) or tuple(self._entries)
 
     def _hook(self, name: str) -> importhooks.Hook:
@@ -188,6 +190,10 @@ class Registry:
             progress = self._entries[name].advance(
                 lambda module: module == finished or importhooks.finished(module), config, late
             )
+            if progress.wrapped:
+                from . import others
+
+                others.at_apply(self._entries[name], self._lock, [e.declared for e in self._entries.values()])
             keys = [*progress.waiting, *(f"reload:{module}" for module in progress.done)]
             new_hooks = {key: self._hook(name) for key in keys if (name, key) not in self._hooks}
             self._hooks.update(((name, key), hook) for key, hook in new_hooks.items())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .importhooks import fork_safe_lock
+from .forks import fork_safe_lock
 
 log = logging.getLogger("shim")
 _lock = fork_safe_lock()

@@ -31,13 +31,13 @@ def version(name):
 patches = []
 for name in shim.registry.names:
     patch = shim.registry.patch(name)
-    decision = gating.decide(patch.distribution, patch.specifier)
+    decision = gating.check_versions(patch.distribution, patch.specifier)
     targets = []
     for target in patch.targets:
         requires = getattr(target, "requires", "") or ""
         if requires:
             distribution, specifier = re.match(r"\\s*([A-Za-z0-9_.-]+)\\s*(.*)$", str(requires)).groups()
-            gate = gating.decide(distribution, SpecifierSet(specifier))
+            gate = gating.check_versions(distribution, SpecifierSet(specifier))
             targets.append(dict(target=target.spec, distribution=distribution, requires=specifier,
                                 gated_as=gate.gated_as, admitted=gate.admitted))
         else:

@@ -92,12 +92,16 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
     effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each)."""
     from .report import table
 
-    rows = [[r.name, r.state, r.installed or "-", r.effects] for r in records]
+    rows = [
+        [r.name, f"{r.state}, suspended" if r.suspended else r.state, r.installed or "-", r.effects] for r in records
+    ]
     lines = table(rows, ["patch", "state", "installed", "effects"], right=(3,)).splitlines()
     out = lines[:2]
     for record, line in zip(records, lines[2:]):
         out.append(line)
         notes = [record.summary, f"reason: {record.reason}"]
+        if record.suspended:
+            notes.append("suspended: off inside a shim.disabled() block, whatever its state")
         if record.last_effect:
             notes.append(f"last effect: {record.last_effect}")
         notes += [f"other patcher: {other['text']}" for other in record.others]

@@ -24,8 +24,9 @@ states:
   applied   in place: its wrappers act while it is switched on
   pending   its target module is not imported yet: it applies right after that import
   skipped   not needed or not safe here (outside its gate, library not installed, code changed)
-  disabled  switched off (SHIM_DISABLE, shim.disable(), inside shim.disabled())
-  failed    wrapping raised and was rolled back"""
+  disabled  switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
+  failed    wrapping raised and was rolled back, or another patcher replaced its layer
+  (a state followed by ", suspended": off inside a shim.disabled() block)"""
 
 EXIT_CODES = """\
 exit codes:

@@ -201,18 +201,18 @@ def test_the_other_patcher_is_logged_once_and_shown_by_the_command_line(caplog):
 
 
 def test_a_bypass_is_logged_when_a_model_enables_checkpointing_without_a_status(caplog, monkeypatch):
-    """Training sets up: at a model's first enable checkpointing-restore's layer asks the engine
-    to look (``shim.notice_others``), so the warning comes before the first step, once."""
-    from shim import entry
+    """Training sets up: a model's first enable is a lookout target of checkpointing-restore's
+    (``Target(..., lookout=True)``), so the engine looks and warns before the first step, once."""
+    from shim import others
     from shim.selfcheck.models import tiny_llama
 
-    monkeypatch.setattr(entry, "_seen", set())  # what earlier tests had logged
+    monkeypatch.setattr(others, "_seen", set())  # what earlier tests had logged
     with applied(lambda: patchers.own_noop(DISABLE), before_the_shim=False):
         with caplog.at_level("INFO", logger="shim"):
             model = tiny_llama(layers=2)
             model.gradient_checkpointing_enable()
             model.gradient_checkpointing_enable()
-            monkeypatch.setattr(entry, "_seen", set())
+            monkeypatch.setattr(others, "_seen", set())
             with shim.disabled("checkpointing-restore"):  # the layer that looks is off: nothing looks
                 tiny_llama(layers=2).gradient_checkpointing_enable()
     said = [r for r in caplog.records if "was replaced by tests.coexistence.patchers:" in r.getMessage()]

@@ -89,7 +89,7 @@ def test_outside_the_gate_is_skipped_before_import_even_if_the_target_module_doe
 )
 def test_pre_dev_and_local_builds_are_gated_as_their_release(monkeypatch, installed, gated_as, admitted):
     monkeypatch.setitem(sys.modules, "gatedist", types.SimpleNamespace(__version__=installed))
-    decision = gating.decide("gatedist", make_patch("x", requires=">=5.0,<5.25").specifier)
+    decision = gating.check_versions("gatedist", make_patch("x", requires=">=5.0,<5.25").specifier)
     assert (decision.gated_as, decision.admitted) == (gated_as, admitted)
     assert f"{installed} (gated as {gated_as})" in decision.reason
 
@@ -124,7 +124,7 @@ def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypat
 
     broken = Registry([make_patch(pkg, "other:f")])
     broken.activate()
-    monkeypatch.setattr(gating, "decide", lambda *a: 1 / 0)
+    monkeypatch.setattr(gating, "check_versions", lambda *a: 1 / 0)
     with caplog.at_level(logging.ERROR, logger="shim"):
         other = importlib.import_module(f"{pkg}.other")
     assert other.f(1) == 1

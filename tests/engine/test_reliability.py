@@ -5,7 +5,6 @@ regression fails instead of hanging the suite."""
 
 import copy
 import functools
-import gc
 import importlib
 import itertools
 import json
@@ -13,7 +12,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import pytest
 import torch
@@ -21,12 +19,12 @@ import transformers
 
 import shim
 from shim import patches as catalogue
-from shim.patches._checkpointing_calls import disable, enable
-from shim.patches._checkpointing_state import ModelState, layer_state
+from shim.patches._checkpointing_calls import enable
+from shim.patches._checkpointing_state import layer_state
 from shim.selfcheck.models import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_names_of
 from tests.conftest import ROOT
-from tests.patches.checkpointing_cases import ENABLE, layer_flags, quietly, supports, tiny_llama
+from tests.patches.checkpointing_cases import quietly, tiny_llama
 from tests.zygote import Zygote
 
 ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
@@ -245,59 +243,7 @@ def test_torch_fx_and_torch_ao_still_see_the_layers_as_modules():
     assert sorted(get_fqn_to_example_inputs(_Net(), (torch.zeros(1, 4),))) == ["", "block", "block.lin"]
 
 
-# -- 5: an explicit every_n_layers=1 -----------------------------------------------------------------
-
-
-@pytest.mark.skipif(not supports("every_n_layers"), reason="version rule: every_n_layers exists from transformers 5.16")
-def test_an_explicit_every_n_layers_1_wins_over_the_captured_pattern():
-    model = tiny_llama(layers=4)
-    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=2)
-    assert layer_flags(model) == [True, False, True, False]
-    quietly(disable, model)
-    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=1)
-    assert layer_flags(model) == [True, True, True, True]
-    quietly(disable, model)
-    getattr(model, ENABLE)({"use_reentrant": True})  # nothing passed: the configuration comes back
-    assert layer_flags(model) == [True, True, True, True]
-
-
-# -- 6: a disabled model is freed ---------------------------------------------------------------------
-
-
-def test_a_disabled_model_whose_checkpoint_function_references_it_is_freed():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    model = tiny_llama(layers=2)
-
-    def decide(model, ctx, op, *args, **kwargs):  # a policy that reads the model, as selective checkpointing does
-        return CheckpointPolicy.PREFER_RECOMPUTE if model.training else CheckpointPolicy.MUST_SAVE
-
-    policy = functools.partial(decide, model)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    quietly(enable, model, {"use_reentrant": False, "context_fn": context_fn})
-    quietly(disable, model)
-    alive = weakref.ref(model)
-    del model, policy, context_fn
-    gc.collect()
-    assert alive() is None
-
-
-def test_a_deep_copy_between_disable_and_enable_restores_onto_its_own_modules():
-    model = tiny_llama(layers=4)
-    quietly(enable, model, {"use_reentrant": True, "preserve_rng_state": False})
-    configured = layer_state(model)
-    quietly(disable, model)
-    twin = copy.deepcopy(model)
-    quietly(enable, twin, None)
-    assert {k: (flag, dict(f.keywords)) for k, (flag, f) in layer_state(twin).items()} == {
-        k: (flag, dict(f.keywords)) for k, (flag, f) in configured.items()
-    }
-    # A pickled model carries no capture (its functions need not pickle; upstream's hooks already
-    # don't) and nothing of the shim's: it loads where the shim is not installed.
-    assert pickle.loads(pickle.dumps(model.__dict__[ModelState.KEY])) is None
-
-
-# -- 7, 8: wrapped functions look like the originals ---------------------------------------------------
+# -- 5, 6: wrapped functions look like the originals ---------------------------------------------------
 
 
 def wrapped_targets():
@@ -372,7 +318,7 @@ def test_calling_a_wrapped_method_through_the_class_binds_its_first_argument():
     }
 
 
-# -- 9: declarations, reloads -------------------------------------------------------------------------
+# -- 7: declarations, reloads -------------------------------------------------------------------------
 
 
 def test_a_target_without_a_callable_wrapper_is_refused_at_declaration():
@@ -397,76 +343,6 @@ print(json.dumps({"wrapped": find_shim_wrapper(layer, "checkpointing-restore") i
 
 def test_a_reloaded_target_module_is_patched_again():
     assert run_script(RELOAD) == {"wrapped": True, "state": "applied"}
-
-
-def test_a_target_replaced_by_hand_is_reported_and_activate_wraps_it_again(fake_modules):
-    from shim import FAILED, Registry
-    from tests.engine.fakes import TARGET, make_patch
-
-    pkg = fake_modules(target=TARGET)
-    module = importlib.import_module(f"{pkg}.target")
-    registry = Registry([make_patch(pkg)])
-    registry.activate()
-    module.f = lambda x: x  # someone else's assignment replaces our layer
-    record = next(s for s in registry.status() if s.name == "demo")
-    assert record.state == FAILED
-    assert record.reason.startswith(f"{pkg}.target:f was replaced by tests.engine.test_reliability:test_a_target_")
-    assert "the fix does not run there" in record.reason  # who replaced it, where: another patcher
-    assert [(o["relation"], o["file"]) for o in record.others] == [("bypassed", __file__)]
-    registry.activate()
-    assert module.f(1) == ("demo", 1)
-
-
-WRAPPER = """
-class Wrapper:
-    pass
-"""
-
-
-def test_a_known_fix_of_the_same_bug_is_named_only_while_its_mark_and_code_are_there(fake_modules):
-    from shim import Registry, SameFix
-    from tests.engine.fakes import TARGET, make_patch
-
-    pkg = fake_modules(target=TARGET + WRAPPER, elsewhere=WRAPPER)
-    module = importlib.import_module(f"{pkg}.target")
-    same = SameFix(f"{pkg}.target:Wrapper.__setattr__", mark="_fixed_here", covers="Wrapper alone")
-    never_imported = SameFix(f"{pkg}.elsewhere:Wrapper.__setattr__", mark="_fixed_here", covers="-")
-    registry = Registry([make_patch(pkg, same_fix=(same, never_imported))])
-    registry.activate()
-
-    def others():
-        return next(s for s in registry.status() if s.name == "demo").others
-
-    def fixed_setattr(self, name, value):
-        object.__setattr__(self, name, value)
-
-    module.Wrapper._fixed_here = True
-    assert others() == ()  # the mark, but upstream's own __setattr__ (object's)
-    del module.Wrapper._fixed_here
-    module.Wrapper.__setattr__ = fixed_setattr
-    assert others() == ()  # another patcher's code, but nothing says it is that fix
-    module.Wrapper._fixed_here = True
-    [other] = others()
-    where = f"{__name__}:{test_a_known_fix_of_the_same_bug_is_named_only_while_its_mark_and_code_are_there.__name__}"
-    assert (other["target"], other["relation"], other["by"]) == (
-        same.spec,
-        "same fix",
-        f"{where}.<locals>.fixed_setattr",
-    )
-    assert other["text"].endswith("which fixes the same bug for Wrapper alone: both can be on")
-    assert f"{pkg}.elsewhere" not in sys.modules  # a status imports nothing to look for it
-    registry.deactivate()
-    assert others() == ()  # said while the patch is on only
-
-
-def test_a_same_fix_is_declared_on_a_class_attribute():
-    from shim import SameFix
-    from tests.engine.fakes import make_patch
-
-    with pytest.raises(ValueError, match="'package.module:Class.attribute'"):
-        SameFix("json:dumps", mark="_fixed", covers="-")  # the mark lives on a class: it needs one
-    with pytest.raises(TypeError, match="same_fix= must be a tuple of shim.SameFix"):
-        make_patch("demo_pkg", same_fix=("json:JSONEncoder.default",))
 
 
 # -- the reentrant fix under the shim, end to end, as a permutation of import orders ------------------

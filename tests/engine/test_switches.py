@@ -112,17 +112,26 @@ def test_force_takes_no_all(monkeypatch):
 # -- the Python API ------------------------------------------------------------------------------
 
 
-def test_status_says_disabled_inside_shim_disabled(fake_modules):
+def test_status_says_suspended_inside_shim_disabled(fake_modules):
+    """A ``shim.disabled()`` block suspends a patch: its state stays, its layers are off."""
     pkg = fake_modules(target=TARGET)
     registry = three(pkg)
     registry.activate()
     importlib.import_module(f"{pkg}.target")
+
+    def suspended():
+        return {s.name for s in registry.status() if s.suspended}
+
     with registry.disabled("first-patch"):
-        assert state(registry, "first-patch") == (DISABLED, "inside shim.disabled()")
-        assert state(registry, "second-patch")[0] == APPLIED
+        assert suspended() == {"first-patch"}
+        assert not registry.is_on("first-patch") and registry.is_on("second-patch")
         with registry.disabled():
-            assert {s.state for s in registry.status()} == {DISABLED}
+            assert suspended() == {"first-patch", "second-patch", "third-patch"}
+            assert {s.state for s in registry.status()} == {APPLIED}
+        assert suspended() == {"first-patch"}
+    assert suspended() == set()
     assert {s.state for s in registry.status()} == {APPLIED}
+    assert all(registry.is_on(name) for name in registry.names)
 
 
 def test_enable_after_deactivate_applies_that_patch_again(fake_modules):

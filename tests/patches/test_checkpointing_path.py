@@ -859,7 +859,7 @@ def test_an_enable_passes_each_layer_through_the_path_once():
         enable_checkpointing(model, {"use_reentrant": True})
     finally:
         sys.setprofile(None)
-    assert calls[("wrapping.py", "__set__")] == 4, calls  # one pass per layer
+    assert calls[("assigning.py", "__set__")] == 4, calls  # one pass per layer
     assert calls[("_checkpoint_path.py", "_given")] == 4, calls
     assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 1, calls  # decided once, shared
     steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))

@@ -6,7 +6,12 @@ What is compared is what reaches ``torch.utils.checkpoint``: each module's flag,
 its checkpoint partial and the partial's keywords.
 """
 
+import copy
+import functools
+import gc
 import importlib.util
+import pickle
+import weakref
 
 import accelerate
 import pytest
@@ -14,6 +19,7 @@ import torch
 
 import shim
 from shim.patches._checkpointing_calls import disable, enable
+from shim.patches._checkpointing_state import ModelState, layer_state
 from tests.patches.checkpointing_cases import (
     DISABLE,
     ENABLE,
@@ -373,3 +379,55 @@ def test_checkpointing_restore_counts_restored_configurations_only(ledger):
     assert last.endswith(
         f"the shim restored {{'use_reentrant': True, 'preserve_rng_state': False}} on {modules} module(s)"
     )
+
+
+# -- an explicit every_n_layers=1 --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not supports("every_n_layers"), reason="version rule: every_n_layers exists from transformers 5.16")
+def test_an_explicit_every_n_layers_1_wins_over_the_captured_pattern():
+    model = tiny_llama(layers=4)
+    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=2)
+    assert layer_flags(model) == [True, False, True, False]
+    quietly(disable, model)
+    getattr(model, ENABLE)({"use_reentrant": True}, every_n_layers=1)
+    assert layer_flags(model) == [True, True, True, True]
+    quietly(disable, model)
+    getattr(model, ENABLE)({"use_reentrant": True})  # nothing passed: the configuration comes back
+    assert layer_flags(model) == [True, True, True, True]
+
+
+# -- a disabled model is freed; a deep copy restores onto its own modules ---------------------------------------------------------------------
+
+
+def test_a_disabled_model_whose_checkpoint_function_references_it_is_freed():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model = tiny_llama(layers=2)
+
+    def decide(model, ctx, op, *args, **kwargs):  # a policy that reads the model, as selective checkpointing does
+        return CheckpointPolicy.PREFER_RECOMPUTE if model.training else CheckpointPolicy.MUST_SAVE
+
+    policy = functools.partial(decide, model)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    quietly(enable, model, {"use_reentrant": False, "context_fn": context_fn})
+    quietly(disable, model)
+    alive = weakref.ref(model)
+    del model, policy, context_fn
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_deep_copy_between_disable_and_enable_restores_onto_its_own_modules():
+    model = tiny_llama(layers=4)
+    quietly(enable, model, {"use_reentrant": True, "preserve_rng_state": False})
+    configured = layer_state(model)
+    quietly(disable, model)
+    twin = copy.deepcopy(model)
+    quietly(enable, twin, None)
+    assert {k: (flag, dict(f.keywords)) for k, (flag, f) in layer_state(twin).items()} == {
+        k: (flag, dict(f.keywords)) for k, (flag, f) in configured.items()
+    }
+    # A pickled model carries no capture (its functions need not pickle; upstream's hooks already
+    # don't) and nothing of the shim's: it loads where the shim is not installed.
+    assert pickle.loads(pickle.dumps(model.__dict__[ModelState.KEY])) is None

@@ -82,6 +82,39 @@ def test_the_engine_never_imports_the_tools_nor_the_self_checks():
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
+#: The engine's rooms, each with the rooms it may import (also lazily, also for type checking):
+#: the direction of every arrow in docs/how-it-works.md. A room below never reaches one above it,
+#: and a new room must be placed here.
+ROOMS = {
+    "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
+    "shim.forks": set(),  # locks that survive os.fork()
+    "shim.patch": {"shim.settings"},  # a patch's declaration
+    "shim.runtime": {"shim.forks"},  # switches and the effects ledger
+    "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
+    "shim.assigning": {"shim.runtime"},  # an assign target's layer
+    "shim.wrapping": {"shim.assigning", "shim.runtime"},  # a layer in one target
+    "shim.rebinding": set(),  # consumers' copies of a target
+    "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.runtime", "shim.patch"},  # what one patch installed
+    "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, and when to look
+    "shim.gating": {"shim.wrapping", "shim.assigning", "shim.layers", "shim.patch"},  # whether a patch applies
+    "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
+    "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch"},
+    "shim.catalogue": {"shim.patch", "shim.settings"},  # the built-in patches' index
+    "shim.registry": {
+        "shim.entry",
+        "shim.records",
+        "shim.others",
+        "shim.importhooks",
+        "shim.forks",
+        "shim.runtime",
+        "shim.patch",
+        "shim.settings",
+    },  # fmt: skip
+}
+#: The front door (the public API) and ``python -m shim`` may import any room.
+FRONT = {"shim", "shim.__main__"}
+
+
 def test_the_wings_sit_beside_the_engine():
     """The top level of ``shim`` is the engine (what ``import shim`` may load); the tools and the tiny
     models live in their wings."""
@@ -89,8 +122,33 @@ def test_the_wings_sit_beside_the_engine():
     wings = sorted(path.name for path in ENGINE.iterdir() if (path / "__init__.py").is_file())
     assert wings == ["selfcheck", "tools"]
     assert not {"cli.py", "doctor.py", "run.py", "tinymodels.py"} & set(top)
-    # A room per job of the engine, not a file per helper: a reader takes in the engine at a glance.
-    assert len(top) <= 12, f"the engine's top level has {len(top)} modules: {top}"
+
+
+def test_every_room_imports_only_the_rooms_below_it():
+    graph = engine_graph()
+    rooms = set(graph) - FRONT - {"shim.tools", "shim.selfcheck"}
+    assert rooms == set(ROOMS), "a room is missing from ROOMS, or ROOMS names one that is gone"
+    assert graph["shim.registry"] >= {"shim.entry", "shim.records"}, "the graph must see the imports"
+    upward = {room: sorted(graph[room] - allowed) for room, allowed in ROOMS.items() if graph[room] - allowed}
+    assert upward == {}
+
+
+def test_the_rooms_drawing_is_the_import_graph():
+    """docs/how-it-works.md draws every import between the engine's rooms, but those of the leaves."""
+    import re
+
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    drawing = text.split("### The engine's rooms", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
+    drawn = set(re.findall(r"^\s*(\w+) --> (\w+)$", drawing, re.MULTILINE))
+    leaves = {"patch", "settings"}
+    graph = engine_graph()
+    real = {
+        (room.removeprefix("shim."), imported.removeprefix("shim."))
+        for room in set(ROOMS) - {"shim.catalogue"}
+        for imported in graph[room]
+        if imported.removeprefix("shim.") not in leaves
+    }
+    assert drawn == real
 
 
 def test_the_engine_has_no_import_circle():
@@ -104,6 +162,19 @@ def test_the_engine_has_no_import_circle():
 
     for module in graph:
         visit(module, [])
+
+
+def test_no_patch_imports_another_patch():
+    """A patch is one bug's fix: what two patches share lives in a helper module (``_name.py``),
+    never in another patch, so switching one off or deleting it never changes another."""
+    patches = {path.stem for path in (ROOT / "patches").glob("*.py") if not path.name.startswith("_")}
+    assert {"checkpointing_restore", "load_keeps_requires_grad"} <= patches, "where this test looks"
+    offenders = []
+    for name in sorted(patches):
+        for module in imports(ROOT / "patches" / f"{name}.py"):
+            if module.startswith("shim.patches.") and module.removeprefix("shim.patches.") in patches:
+                offenders.append(f"{name} imports {module}")
+    assert offenders == []
 
 
 def test_patches_use_only_the_engines_public_api():

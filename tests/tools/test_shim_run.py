@@ -224,7 +224,7 @@ for status in shim.status():
     for spec in status.targets if status.state == "applied" else ():
         module, _, path = spec.partition(":")
         try:
-            target = wrapping.resolve(__import__(module, fromlist=["_"]), path)
+            target = wrapping.object_at(__import__(module, fromlist=["_"]), path)
         except Exception:
             continue  # a target left alone on this release
         counts[spec] = layers(target, status.name)
