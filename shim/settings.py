@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 
 
@@ -99,16 +99,45 @@ def did_you_mean(name: str, known: Iterable[str], otherwise: str = "python -m sh
     return f"did you mean {', '.join(close)}?" if close else otherwise
 
 
+#: How many bad items of one kind get a warning each; more get one warning together, which quotes
+#: this many and counts the rest (a SHIM_DISABLE of 2 000 unknown names: one line, not 1.3 MB).
+QUOTED = 3
+
+
+def shown(value: str, limit: int = 40) -> str:
+    """``value`` for a one-line message: quoted as ``repr`` quotes it (control characters escaped),
+    cut after ``limit`` characters with its length said, so that no value makes a warning long."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def _warn_each(items: list[str], one: Callable[[str], str], many: Callable[[str], str]) -> None:
+    """``one(item)`` for each item, or for more than :data:`QUOTED` different ones a single
+    ``many(summary)``, the summary quoting a few items and counting the rest."""
+    items = list(dict.fromkeys(items))
+    if len(items) <= QUOTED:
+        for item in items:
+            warn_once(one(item))
+    else:
+        quoted = ", ".join(shown(item) for item in items[:QUOTED])
+        warn_once(many(f"{quoted} and {len(items) - QUOTED} more"))
+
+
 def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[bool, frozenset[str]]:
     """Whether ``variable`` names every patch, and the known patch names it lists.
 
     The value is a comma-separated list, read item by item: an empty item (``name,,``, ``all,``) and
     ``0``/``false``/``none`` are nothing; ``all`` (also ``1``, ``true``, ``*``) means every patch,
-    alone or inside a list, where ``allow_all``; every other item is a patch name. Each item that is
-    not a known name gets its own warning.
+    alone or inside a list, where ``allow_all``; every other item is a patch name. An item that is
+    not a known name gets a warning; more than :data:`QUOTED` of a kind get one warning together.
     """
     known = sorted(known)
+    names = ", ".join(known)
     everything, found = False, set()
+    refused: list[str] = []  # 'all' where it is not accepted
+    unknown: list[str] = []  # patch names that no patch has
+    malformed: list[str] = []  # no patch names at all
     for part in os.environ.get(variable, "").split(","):
         item = part.strip()
         if item.lower() in NONE:
@@ -117,20 +146,33 @@ def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[boo
             if allow_all:
                 everything = True
             else:
-                warn_once(f"{variable}: {item!r} is not accepted, ignored; {variable} takes patch names only")
+                refused.append(item)
             continue
         name = canonical(item)
         if name in known:
             found.add(name)
-        elif PATCH_NAME.match(name):
-            hint = did_you_mean(name, known, otherwise="known patches: " + ", ".join(known))
-            warn_once(f"{variable} names an unknown patch {item!r}, ignored; {hint}")
         else:
-            valid = "'all' or " if allow_all else ""
-            warn_once(
-                f"{variable}: {item!r} is not a patch name, ignored; {variable} takes {valid}"
-                f"a comma-separated list of patch names ({', '.join(known)})"
-            )
+            (unknown if PATCH_NAME.match(name) else malformed).append(item)
+    _warn_each(
+        refused,
+        lambda item: f"{variable}: {shown(item)} is not accepted, ignored; {variable} takes patch names only",
+        lambda items: f"{variable}: {items} are not accepted, ignored; {variable} takes patch names only",
+    )
+    _warn_each(
+        unknown,
+        lambda item: (
+            f"{variable} names an unknown patch {shown(item)}, ignored; "
+            + did_you_mean(item, known, otherwise=f"known patches: {names}")
+        ),
+        lambda items: f"{variable} names unknown patches {items}, ignored; known patches: {names}",
+    )
+    valid = "'all' or " if allow_all else ""
+    takes = f"{variable} takes {valid}a comma-separated list of patch names ({names})"
+    _warn_each(
+        malformed,
+        lambda item: f"{variable}: {shown(item)} is not a patch name, ignored; {takes}",
+        lambda items: f"{variable}: {items} are not patch names, ignored; {takes}",
+    )
     return everything, frozenset(found)
 
 
@@ -140,7 +182,9 @@ def flag(variable: str) -> bool:
     if raw in TRUE:
         return True
     if raw not in FALSE:
-        warn_once(f"{variable}={raw!r} is not valid; use one of {', '.join(sorted(TRUE | FALSE - {''}))}; using off")
+        warn_once(
+            f"{variable}={shown(raw)} is not valid; use one of {', '.join(sorted(TRUE | FALSE - {''}))}; using off"
+        )
     return False
 
 
@@ -163,7 +207,7 @@ def configure_logging() -> None:
     if not raw:
         return
     if raw.upper() not in LOG_LEVELS:
-        warn_once(f"SHIM_LOG_LEVEL={raw!r} is not valid; use one of {', '.join(LOG_LEVELS)}; leaving it unset")
+        warn_once(f"SHIM_LOG_LEVEL={shown(raw)} is not valid; use one of {', '.join(LOG_LEVELS)}; leaving it unset")
         return
     logger.setLevel(raw.upper())
     if all(isinstance(handler, logging.NullHandler) for handler in logger.handlers):

@@ -11,11 +11,13 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from .. import __version__
+from ..settings import shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .report import WIDTH  # the tables, the report and the help texts fit this many columns
+from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
@@ -144,23 +146,39 @@ def newer_than_measured() -> list[str]:
     return [f"note: {note}: {RUN_DOCTOR}" for note in notes if note]
 
 
+def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
+    """``path`` opened for writing, or why it cannot be written: a missing folder, a directory, no
+    permission, or a file that opens and refuses writes (``/proc/version``, ``/dev/full``)."""
+    try:
+        file = open(path, "w", encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        return None, f"--json-file {as_given(path, 200)}: {getattr(exc, 'strerror', None) or exc}"
+    problem = cannot_write(file)
+    if problem:
+        file.close()
+        return None, f"--json-file {as_given(path, 200)}: {problem}"
+    return file, None
+
+
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     from ..selfcheck.models import quiet_transformers
     from . import doctor
     from .report import table
 
-    json_file = None
-    if args.json_file:  # opened before the run: a path that cannot be written fails in a second, not after it
-        try:
-            json_file = open(args.json_file, "w", encoding="utf-8")
-        except OSError as exc:
-            args.parser.error(f"--json-file {args.json_file}: {exc.strerror or exc}")
+    json_file, unwritten = None, None
+    if args.json_file is not None:  # opened before the run: a file that cannot be written fails at once
+        json_file, unwritten = _open_for_writing(args.json_file)
+        if unwritten:
+            args.parser.error(unwritten)
     quiet_transformers()
     findings = doctor.run(shim.registry)
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
     if json_file is not None:
-        with json_file:
-            json_file.write(records + "\n")
+        try:
+            with json_file:
+                json_file.write(records + "\n")
+        except OSError as exc:  # the disk filled up during the run: said below the table, still printed
+            unwritten = f"--json-file {as_given(args.json_file, 200)}: {exc.strerror or exc}"
     if args.json:
         print(records)
     else:
@@ -179,18 +197,24 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             "\n" + textwrap.fill(f"doctor: not fixed: {', '.join(failing)}", WIDTH, subsequent_indent="  "),
             file=sys.stderr,
         )
-        return 1
-    return 0
+    if unwritten:
+        say(f"python -m shim doctor: error: {unwritten}")
+        return 2  # not 1: the file asked for is missing, whatever the verdicts
+    return 1 if failing else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m shim``; its exit codes are ``EXIT_CODES`` (``shim/tools/helptext.py``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after it is the command's, not ours to parse
         from .run import main as run
 
         return run(argv[1:])
-    from .run import reader_gone
-
+    lenient(sys.stdout)  # PYTHONIOENCODING=ascii: explain's en dashes print as \u2013
+    problem = cannot_write(sys.stdout)
+    if problem:  # python -m shim >&-: said before any work, as a command line that cannot be used
+        say(f"python -m shim: cannot write to stdout: {problem}; give it a file (> /dev/null discards the output)")
+        return 2
     try:
         try:
             return _command(argv)
@@ -205,7 +229,7 @@ def _command(argv: list[str]) -> int:
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        parser.error(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}")
+        parser.error(f"unknown command {shown(argv[0])}; the commands are {', '.join(COMMANDS)}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # shown with the usage of the command they were given to, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -222,10 +246,10 @@ def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
 
     name = canonical(args.patch)
     if name not in shim.registry.names:
-        args.parser.error(f"no patch named {args.patch!r}; {did_you_mean(name, shim.registry.names)}")
+        args.parser.error(f"no patch named {shown(args.patch)}; {did_you_mean(name, shim.registry.names)}")
     text = bugdocs.section(name)
     if text is None:
-        print("python -m shim explain: docs/bugs.md is not installed with this copy of the shim", file=sys.stderr)
+        say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1
     print(bugdocs.reflow(text, WIDTH))
     return 0

@@ -33,7 +33,8 @@ exit codes:
     0  success (status always; doctor: nothing that applies here is left unfixed, or it cannot
        check here: torch cannot be imported)
     1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
-    2  the command line was not understood, or doctor's --json-file cannot be written
+    2  the command line was not understood, or the output cannot be written (doctor's
+       --json-file, a closed stdout: python -m shim >&-); a one-line message says which
   141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
 
 DOCTOR_DESCRIPTION = """\

@@ -11,9 +11,13 @@ does the same.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
+
+from ..settings import shown
 
 #: The directory whose ``sitecustomize`` imports the shim in every interpreter of the command.
 SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sitecustomize")
@@ -25,7 +29,8 @@ usage: shim-run <command> [arguments ...]
 Run <command> with hf-train-shim imported first in every Python process it starts: the command,
 every rank of torchrun / accelerate launch / deepspeed, spawned workers. A sitecustomize directory
 goes first on PYTHONPATH and runs any sitecustomize that was already there. The exit status and the
-signals are the command's. SHIM_* environment variables pass through unchanged.
+signals are the command's; shim-run's own: 127 command not found, 126 found but cannot run (a
+directory, no permission), 2 a bad shim-run command line. SHIM_* variables pass through unchanged.
 
 examples:
   shim-run torchrun --nproc_per_node 2 train.py
@@ -55,30 +60,88 @@ def reader_gone() -> int:
     return 128 + 13  # SIGPIPE
 
 
+def say(message: str) -> None:
+    """``message`` on stderr, or nowhere where stderr is closed (``2>&-``; ``print`` would then write
+    it to stdout)."""
+    if sys.stderr is not None:
+        print(message, file=sys.stderr, flush=True)
+
+
+def cannot_write(stream: TextIO | None) -> str | None:
+    """Why nothing can be written to ``stream``, or ``None``: it is closed (``>&-`` makes
+    ``sys.stdout`` ``None``), or its file refuses writes (``/dev/full``, ``/proc/version``, a
+    read-only descriptor). A write of no bytes reaches the file's own write and says so at once,
+    before any work; a pipe takes it whether or not its reader is there (that is :func:`reader_gone`)."""
+    if stream is None:
+        return "it is closed"
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a captured stream): its writes will say
+        return None
+    try:
+        os.write(fd, b"")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def lenient(stream: TextIO | None) -> None:
+    """Let ``stream`` print what its encoding cannot (``PYTHONIOENCODING=ascii``, a latin-1 terminal)
+    as ``\\u2013`` escapes instead of raising ``UnicodeEncodeError`` (the default for stdout):
+    stderr's own way. Text the encoding can write comes out as before."""
+    if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+        stream.reconfigure(errors="backslashreplace")
+
+
+def as_given(text: str, limit: int = 80) -> str:
+    """A name or path in a message: as given, or quoted and cut where it holds control characters or
+    is long."""
+    return text if text and text.isprintable() and len(text) <= limit else shown(text, limit)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Replace this process with the command; returns only when the command cannot be started."""
+    """Replace this process with the command; returns only when the command cannot be started:
+    127 (not found) or 126 (found, cannot run) as a shell says it, 2 for a command line or an
+    output that is not usable."""
     command = list(sys.argv[1:] if argv is None else argv)
     if command[:1] == ["--"]:
         command = command[1:]
-    if not command or command[0] in ("-h", "--help"):
+    elif command and command[0].startswith("-") and command[0] not in ("-h", "--help"):
+        option = as_given(command[0])
+        say(f"shim-run: unknown option {option}; it takes only --help (shim-run -- {option} runs a command so named)")
+        return 2
+    if not command:
+        say(USAGE)
+        return 2
+    if command[0] in ("-h", "--help"):
+        problem = cannot_write(sys.stdout)
+        if problem:  # shim-run --help >&-
+            say(f"shim-run: cannot write to stdout: {problem}")
+            return 2
         try:
-            print(USAGE, file=sys.stdout if command else sys.stderr, flush=True)
+            print(USAGE, flush=True)
         except BrokenPipeError:  # shim-run --help | head
             return reader_gone()
-        return 0 if command else 2
-    env = environment()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execvpe(command[0], command, env)
-    except FileNotFoundError:
-        print(f"shim-run: command not found: {command[0]}", file=sys.stderr)
+        return 0
+    name = command[0]
+    if not name:  # shim-run "$LAUNCHER" train.py with LAUNCHER unset
+        say("shim-run: command not found: '' (the command's name is empty)")
         return 127  # as a shell says it
+    env = environment()
+    for stream in (sys.stdout, sys.stderr):  # a closed one (>&-) is the command's to meet
+        if stream is not None:
+            stream.flush()
+    try:
+        os.execvpe(name, command, env)
+    except FileNotFoundError:
+        say(f"shim-run: command not found: {as_given(name)}")
+        return 127
     except PermissionError:
-        print(f"shim-run: permission denied: {command[0]}", file=sys.stderr)
+        reason = "is a directory" if os.path.isdir(name) else "permission denied"
+        say(f"shim-run: {as_given(name)}: {reason}")
         return 126
-    except OSError as exc:
-        print(f"shim-run: cannot run {command[0]}: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in an argument given to main()
+        say(f"shim-run: cannot run {as_given(name)}: {getattr(exc, 'strerror', None) or exc}")
         return 126
     return 0  # pragma: no cover - execvpe does not return
 

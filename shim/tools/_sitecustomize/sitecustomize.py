@@ -47,17 +47,31 @@ def _is_a_shim_run_file(origin: str | None) -> bool:
         return False
 
 
+def _is_shim_run() -> bool:
+    """Whether this interpreter is a ``shim-run`` (or ``python -m shim run``) started under another
+    one: it only becomes its command, which runs the user's ``sitecustomize`` itself."""
+    argv = list(getattr(sys, "orig_argv", ()))[1:]  # the interpreter's own options too (Python 3.10+)
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-"):
+        argv = argv[2:] if argv[0] in ("-X", "-W", "--check-hash-based-pycs") else argv[1:]
+    if argv[:1] == ["-m"]:
+        return argv[1:3] == ["shim", "run"] or argv[1:2] == ["shim.tools.run"]
+    return bool(argv) and os.path.basename(argv[0]) == "shim-run"
+
+
 def _run_the_next_sitecustomize() -> None:
     """Run the ``sitecustomize`` that Python would have run without shim-run, if there is one.
 
     That is the first one on ``sys.path`` that is no shim-run start-up file: another install's
     directory on ``PYTHONPATH`` (a global ``shim-run`` around a virtual environment's) is passed
-    over like this one, so each interpreter runs the user's module exactly once.
+    over like this one, so each interpreter runs the user's module exactly once; a nested
+    ``shim-run`` runs it not at all, its command does.
     """
     import importlib.machinery
     import importlib.util
 
     if _GUARD in sys.modules:  # run again from a chain already under way (a start-up file without MARKER)
+        return
+    if _is_shim_run():
         return
     sys.modules[_GUARD] = sys.modules[__name__]
     for entry in sys.path:
