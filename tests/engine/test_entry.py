@@ -122,6 +122,21 @@ def test_every_state_is_reached_and_left():
     assert starts == ends == set(State)
 
 
+def test_docs_draw_every_transition_of_the_table():
+    """docs/how-it-works.md's state diagram has an arrow for each row (a replaced layer and a failed
+    import start from APPLIED)."""
+    import re
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    drawing = text.split("### A patch's states", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
+    drawn = set(re.findall(r"^\s*(\w+) --> (\w+):", drawing, re.MULTILINE))
+    starts = {"bypassed": APPLIED, "import failed": APPLIED}
+    rows = {(starts.get(start, start).name, end.name) for start, _event, end, _final in TRANSITIONS}
+    assert rows - drawn == set()
+
+
 def test_a_suspended_patch_keeps_its_state_with_its_switch_off(fake_modules):
     pkg = fake_modules(target=TARGET)
     entry = start(pkg, APPLIED)
