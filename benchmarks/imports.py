@@ -12,8 +12,10 @@ target module is imported.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 
 from harness import HEADERS, ROOT, child_env, compare, comparison_row, interleave, quartiles, run_child, table, verdict
 
@@ -39,6 +41,86 @@ def marginal(runs: list) -> dict:
     cost = statistics.median(r["s"][0] for r in runs)
     base = statistics.median(r["before"] for r in runs)
     return {"cost": quartiles([r["s"][0] for r in runs]), "base": base, "ratio": (base + cost) / base}
+
+
+PACK = ROOT / "examples" / "patch-pack"
+GROUP = "hf_train_shim.patches"
+
+
+def pack_site(directory: str) -> str:
+    """``directory`` holding examples/patch-pack as an install lays it out (its package and a
+    dist-info folder with the entry point), without a build: what discovery reads is all there."""
+    shutil.copytree(PACK / "src" / "shim_example_pack", os.path.join(directory, "shim_example_pack"))
+    metadata = os.path.join(directory, "shim_example_pack-0.1.0.dist-info")
+    os.mkdir(metadata)
+    with open(os.path.join(metadata, "METADATA"), "w") as file:
+        file.write("Metadata-Version: 2.1\nName: shim-example-pack\nVersion: 0.1.0\n")
+    lines = (PACK / "pyproject.toml").read_text().split(f'[project.entry-points."{GROUP}"]', 1)[1].split("[", 1)[0]
+    with open(os.path.join(metadata, "entry_points.txt"), "w") as file:
+        file.write(f"[{GROUP}]\n" + "\n".join(line for line in lines.splitlines() if "=" in line) + "\n")
+    return directory
+
+
+def crowded_site(directory: str, count: int) -> str:
+    """``directory`` with ``count`` distributions, one in four declaring console scripts: a big
+    environment, as far as entry-point discovery can tell."""
+    for index in range(count):
+        metadata = os.path.join(directory, f"dist{index}-1.0.dist-info")
+        os.mkdir(metadata)
+        with open(os.path.join(metadata, "METADATA"), "w") as file:
+            file.write(f"Metadata-Version: 2.1\nName: dist{index}\nVersion: 1.0\n")
+        if index % 4 == 0:
+            with open(os.path.join(metadata, "entry_points.txt"), "w") as file:
+                file.write(f"[console_scripts]\ndist{index} = dist{index}.cli:main\n")
+    return directory
+
+
+def discovery(site: str | None, rounds: int) -> dict:
+    """CPU ms of finding the packs in a fresh interpreter (``site`` added to ``sys.path``): the shim's
+    ``packs.found()`` (its first call, then the median of repeats), and ``importlib.metadata``'s
+    ``entry_points(group=...)`` with the import it needs, for comparison."""
+    path = child_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), site])))
+    found = [time_import("found()", before="from shim.packs import found", env=path) for _ in range(rounds)]
+    repeated = time_import("for _ in range(100): found()", before="from shim.packs import found", env=path)
+    metadata = [
+        time_import(f"import importlib.metadata as m\nm.entry_points(group={GROUP!r})", before="import shim", env=path)
+        for _ in range(rounds)
+    ]
+    return {
+        "found": quartiles([r["s"][0] for r in found]),
+        "found_repeated": repeated["s"][0] / 100,
+        "metadata": quartiles([r["s"][0] for r in metadata]),
+        "distributions": int(run_python_count(path)),
+    }
+
+
+def run_python_count(env: dict) -> int:
+    """How many distributions ``importlib.metadata`` sees with ``env``."""
+    code = "import importlib.metadata as m\nimport json\nprint('RESULT ' + json.dumps(len(list(m.distributions()))))"
+    return run_child([sys.executable, "-c", code], env)
+
+
+def measure_packs(args, log) -> dict:
+    """``import shim`` with the example pack installed against without, and the cost of discovery
+    alone, in this environment and in one of 1000 more distributions."""
+    out = {}
+    rounds = max(args.import_rounds, 6)
+    with tempfile.TemporaryDirectory() as directory:
+        site = pack_site(directory)
+        log("import shim with a patch pack installed")
+        with_pack, without = interleave(
+            lambda: time_import("import shim", env=child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{site}")),
+            lambda: time_import("import shim"),
+            rounds,
+        )
+        out["pack"] = compare([r["s"] for r in with_pack], [r["s"] for r in without])
+        out["pack_modules"] = sorted(set(with_pack[0]["new"]) - set(without[0]["new"]))
+        log("entry-point discovery")
+        out["discovery"] = discovery(None, rounds)
+        out["discovery_pack"] = discovery(site, rounds)
+    with tempfile.TemporaryDirectory() as directory:
+        out["discovery_crowded"] = discovery(crowded_site(directory, 1000), rounds)
+    return out
 
 
 def measure(args, log) -> dict:
@@ -90,6 +172,7 @@ def measure(args, log) -> dict:
     before = "import warnings; warnings.simplefilter('ignore')\nfrom transformers import LlamaForCausalLM"
     runs = [time_import("import shim", before=before) for _ in range(max(2, args.import_rounds // 3))]
     out["marginal_applied"] = marginal(runs)
+    out["packs"] = measure_packs(args, log)
     return out
 
 
@@ -124,4 +207,28 @@ def report(args, imports: dict) -> list[str]:
         f"import shim imports a patch module, wrapt or packaging.specifiers before a target is imported: "
         f"{', '.join(m['early']) or 'none'}"
     )
+    return out + report_packs(imports["packs"])
+
+
+def report_packs(packs: dict) -> list[str]:
+    """The patch-pack lines: import shim with one pack against none, and what discovery costs."""
+    out = [
+        table(
+            [comparison_row("import shim with examples/patch-pack installed (off: no pack)", packs["pack"], 1e3)],
+            HEADERS,
+        )
+    ]
+    out.append(f"with the pack, import shim also loads: {', '.join(packs['pack_modules']) or 'nothing'}")
+    for key, label in (
+        ("discovery", "this environment"),
+        ("discovery_pack", "this environment and the pack"),
+        ("discovery_crowded", "this environment and 1000 more distributions"),
+    ):
+        d = packs[key]
+        out.append(
+            f"finding the packs, {label} ({d['distributions']} distributions): shim.packs.found() "
+            f"{d['found'][1] * 1e3:.2f} ms CPU first call (IQR {d['found'][0] * 1e3:.2f}-{d['found'][2] * 1e3:.2f}), "
+            f"{d['found_repeated'] * 1e3:.2f} ms repeated; importlib.metadata.entry_points(group=...) with its "
+            f"import {d['metadata'][1] * 1e3:.2f} ms"
+        )
     return out

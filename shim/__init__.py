@@ -13,6 +13,7 @@ Public API::
     shim.enable(*names); shim.disable(*names)
     with shim.disabled(*names): ...   # no names = all
     shim.register(patch)              # your own Patch, same registry
+                                      # (or a patch pack: an entry point in hf_train_shim.patches)
     shim.PatchError                   # raised only in strict mode (SHIM_STRICT=1)
     shim.wrappers("transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable")
                                       # the shim's layers on a target: [(patch name, layer)], outermost first
@@ -31,7 +32,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from . import catalogue, settings
+from . import catalogue, packs, settings
 from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, State
 from .registry import Registry
 from .runtime import record as record_effect
@@ -118,5 +119,11 @@ if settings.flag("SHIM_REPORT"):
     from .tools.report import report_at_exit
 
     report_at_exit()
+
+# Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
+# after the built-ins: a pack's module imports ``shim`` and finds the whole API, its layers sit
+# outside the built-ins' on a shared target, and it never takes a built-in's name. Where a pack is
+# installed its module is imported now, since only its Patch knows its targets (``shim.packs``).
+packs.load(registry.names, register)
 
 activate()

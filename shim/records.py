@@ -35,7 +35,8 @@ class PatchStatus:
     ``same fix``: beside the targets, a patcher the patch declares fixes the same bug, and
     ``covers`` says for what), ``by`` (``module:qualname``), ``file`` and ``text`` (the line the
     tables show). ``suspended``: inside a ``shim.disabled()`` block, the patch's layers are off
-    whatever its state.
+    whatever its state. ``provider``: the distribution that provides the patch, ``hf-train-shim``
+    for a built-in, a patch pack's own for a pack's (``""`` for one given to ``shim.register()``).
     """
 
     name: str
@@ -50,6 +51,7 @@ class PatchStatus:
     last_effect: str = ""
     others: tuple[dict[str, str], ...] = ()
     suspended: bool = False
+    provider: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -86,6 +88,7 @@ def status_of(entry: Entry) -> PatchStatus:
         last_effect=runtime.last(declared.name),
         others=tuple(other._asdict() | {"text": other.text()} for other in found),
         suspended=entry.suspended > 0,
+        provider=getattr(declared, "provider", ""),  # a catalogue listing's or a pack's; a plain Patch has none
     )
 
 

@@ -57,6 +57,11 @@ class Registry:
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 
+    def declared(self, name: str) -> Declared:
+        """How patch ``name`` was registered: a built-in's catalogue listing, a patch pack's
+        ``shim.packs.Pack`` or the :class:`Patch` given to :meth:`register` (nothing is imported)."""
+        return self._entry(name).declared
+
     def patch(self, name: str) -> Patch:
         """The declaration of patch ``name`` (this imports its module if it was not yet)."""
         entry = self._entry(name)

@@ -5,9 +5,15 @@
 
 from __future__ import annotations
 
+import inspect
 import re
+import sys
 import textwrap
 from pathlib import Path
+
+from ..packs import GROUP, Pack
+from ..records import links
+from ..registry import Registry
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 _ITEM = re.compile(r"^(\s*)([-*]|\d+\.) ")
@@ -31,6 +37,31 @@ def section(name: str) -> str | None:
         if part.splitlines()[0].strip() == name:
             return ("## " + part).rstrip()
     return None
+
+
+def of_pack(registry: Registry, name: str) -> str | None:
+    """A patch pack's patch told from its own text, as ``explain`` shows a built-in's section: its
+    summary, where it comes from and its gate, the docstring of the module that declares it, and
+    its references. ``None`` for a patch that is not a pack's."""
+    declared = registry.declared(name)
+    if not isinstance(declared, Pack):
+        return None
+    patch = declared.patch
+    module = sys.modules.get(declared.module)
+    story = inspect.cleandoc(module.__doc__) if module is not None and module.__doc__ else ""
+    lines = [
+        f"## {name}",
+        "",
+        patch.summary,
+        "",
+        f"From the patch pack {declared.provider} {declared.version} (entry point {GROUP}: "
+        f"{declared.entry_point}); it applies to {patch.requirement}.",
+        "",
+        story or f"{declared.module} has no docstring: the pack's author writes the story there.",
+    ]
+    if patch.references:
+        lines += ["", "References: " + ", ".join(links(patch.references))]
+    return "\n".join(lines)
 
 
 def reflow(markdown: str, width: int) -> str:

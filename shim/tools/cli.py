@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import IO, TYPE_CHECKING
 
 from .. import __version__
+from ..catalogue import PROVIDER as BUILTIN
 from ..settings import shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .report import WIDTH  # the tables, the report and the help texts fit this many columns
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     _common(doctor)
+    doctor.add_argument("patches", nargs="*", metavar="patch", help="check only these patches (default: every one)")
     doctor.add_argument(
         "--json-file",
         metavar="PATH",
@@ -102,6 +104,8 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
     for record, line in zip(records, lines[2:]):
         out.append(line)
         notes = [record.summary, f"reason: {record.reason}"]
+        if record.provider not in ("", BUILTIN):  # a patch pack's: say whose
+            notes.insert(1, f"from: {record.provider} (a patch pack)")
         if record.suspended:
             notes.append("suspended: off inside a shim.disabled() block, whatever its state")
         if record.last_effect:
@@ -170,8 +174,9 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
         json_file, unwritten = _open_for_writing(args.json_file)
         if unwritten:
             args.parser.error(unwritten)
+    names = [_known(args, shim, name) for name in args.patches]
     quiet_transformers()
-    findings = doctor.run(shim.registry)
+    findings = doctor.run(shim.registry, names)
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
     if json_file is not None:
         try:
@@ -240,14 +245,21 @@ def _command(argv: list[str]) -> int:
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
 
 
-def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
+def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
+    """``given`` as the registry names it, or the command's usage error."""
     from ..settings import canonical, did_you_mean
+
+    name = canonical(given)
+    if name not in shim.registry.names:
+        args.parser.error(f"no patch named {shown(given)}; {did_you_mean(name, shim.registry.names)}")
+    return name
+
+
+def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import bugdocs
 
-    name = canonical(args.patch)
-    if name not in shim.registry.names:
-        args.parser.error(f"no patch named {shown(args.patch)}; {did_you_mean(name, shim.registry.names)}")
-    text = bugdocs.section(name)
+    name = _known(args, shim, args.patch)
+    text = bugdocs.section(name) or bugdocs.of_pack(shim.registry, name)
     if text is None:
         say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1

@@ -100,6 +100,7 @@ ROOMS = {
     "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
     "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch"},
     "shim.catalogue": {"shim.patch", "shim.settings"},  # the built-in patches' index
+    "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings"},  # other distributions' patches (entry points)
     "shim.registry": {
         "shim.entry",
         "shim.records",
