@@ -229,7 +229,7 @@ def test_every_public_name_of_peft_s_function_is_the_patched_one():
         assert all(module.prepare_model_for_kbit_training is original for module in consumers)
         print("ok", [module.__name__ for module in consumers])
     """
-    out = run_python(code, env={"TRL_EXPERIMENTAL_SILENCE": "1"}).stdout.strip()
+    out = run_python(code, env={"TRL_EXPERIMENTAL_SILENCE": "1"}, torch_first=True).stdout.strip()
     assert out.startswith("ok ['peft', 'peft.utils'"), out
     if importlib.util.find_spec("trl") is not None:
         assert "cpo_trainer" in out, out
