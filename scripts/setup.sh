@@ -45,5 +45,6 @@ install_torch "$venv" "$constraints"
 venv_excludes "$venv"
 venv_install "$venv" -e ".[test]" -c "$constraints" ${EXCLUDE_ARGS[@]+"${EXCLUDE_ARGS[@]}"}
 check_torch "$venv"
+venv_compile "$venv"
 venv_done "$venv" "$stamp"
 summary

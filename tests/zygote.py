@@ -3,15 +3,21 @@
 A script that imports the whole stack costs about 8.5 CPU-seconds, 6 of them in torch and the parts
 of it transformers imports (``torch._dynamo``, ``torch.distributed.tensor``). A :class:`Zygote` is
 one interpreter that has imported those and nothing else (no shim, no transformers, no target of a
-patch) and forks a child per script: the child runs the script as ``python -c`` would, in the
-zygote's ``__main__``, exits as an interpreter does (atexit, threads joined), and runs in a session
-of its own, so a timeout kills it with every thread and process it started.
+patch) and forks a child per script: the child runs the script as ``python -c`` would (or as
+``python script.py args``: ``argv``), in the zygote's ``__main__``, and runs in a session of its
+own, so a timeout kills it with every thread and process it started (so does its end: whatever it
+left behind). It exits as an interpreter does, as far as a script can see: an exception's traceback
+and exit status 1, ``SystemExit``'s status, its threads joined, its atexit functions run, stdout and
+stderr flushed; then ``os._exit``, without the teardown of every module, which in a fork of an
+interpreter that has torch writes to nearly every page it shares with the zygote (0.7 CPU-seconds
+a child, an empty script's whole cost).
 
 Only for scripts whose first step is ``import torch``, or that test nothing torch's import could
 change, so that what they test (the order of the shim, transformers, trl and a model; the torch
-state the first import runs in; the shim's output) starts after what the zygote has done:
-tests/engine/test_reliability.py's import orders and ambient states, and ``run_python(...,
-torch_first=True)`` (never for a script that checks what ``import shim`` imports, or blocks torch).
+state the first import runs in; the shim's output; an everyday workflow with the shim off and on)
+starts after what the zygote has done: tests/engine/test_reliability.py's import orders and ambient
+states, ``run_python(..., torch_first=True)`` and the do-no-harm workflows (never for a script that
+checks what ``import shim`` imports, or blocks torch).
 """
 
 from __future__ import annotations
@@ -42,15 +48,49 @@ def child(request):  # a fresh interpreter after `import torch`, as far as the s
         os.chdir(request["folder"])
         given = os.environ.pop("PYTHONPATH", "").split(os.pathsep)
         sys.path[:] = [request["folder"]] + [path for path in sys.path[1:] if path not in given]
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
-    sys.stdin = open(os.devnull)
-    code = compile(request["code"], "<string>", "exec")
+    finish = exit_as_the_interpreter_does  # before __main__, where it is defined, is the script's
     main = vars(sys.modules["__main__"])
     for name in [name for name in main if not name.startswith("__")]:
         del main[name]
-    exec(code, main)
-    sys.exit(0)  # an exception above ends the child as it ends python -c: traceback, exit 1
+    filename = "<string>"
+    if request["argv"]:  # `python script.py args...`: its argv, __file__ and folder first on sys.path
+        sys.argv[:] = request["argv"]
+        filename = main["__file__"] = request["argv"][0]
+        if not request["folder"]:
+            sys.path[0] = os.path.dirname(os.path.abspath(filename))
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # never the zygote's requests
+    sys.stdin = open(os.devnull)
+    try:
+        exec(compile(request["code"], filename, "exec"), main)
+        status = 0
+    except SystemExit as stop:  # as the interpreter reads it
+        status = stop.code if stop.code is None or isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
+    except BaseException as error:  # as python -c ends on it: the traceback, exit 1
+        error.__traceback__ = error.__traceback__.tb_next  # from the script's frame on
+        sys.excepthook(type(error), error, error.__traceback__)
+        status = 1
+    finish(status or 0)
+
+
+def exit_as_the_interpreter_does(status):
+    \"\"\"What ``Py_FinalizeEx`` does that a script can see: wait for its threads, run its atexit
+    functions, flush stdout and stderr; then end without tearing down the modules one by one (0.7
+    CPU-seconds of a fork of an interpreter that has torch, most of an empty script's cost).\"\"\"
+    import atexit, ctypes, os, sys, threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            status = status or 120  # as the interpreter exits when its last flush fails
+    ctypes.CDLL(None).fflush(None)  # and C's stdio buffers, as exit() flushes them
+    os._exit(status)
 
 
 print("ready", flush=True)
@@ -69,6 +109,10 @@ for line in sys.stdin:
     else:
         os.killpg(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # whatever its session left behind
+    except (ProcessLookupError, PermissionError):
+        pass
     print(json.dumps({{"returncode": returncode}}), flush=True)
 """
 
@@ -89,18 +133,28 @@ class Zygote:
         assert self._process.stdout is not None and self._process.stdout.readline() == "ready\n"
 
     def run(
-        self, code: str, timeout: float, env: dict[str, str] | None = None, folder: str | None = None
+        self,
+        code: str,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        folder: str | None = None,
+        argv: list[str] | None = None,
     ) -> subprocess.CompletedProcess:
         """Run ``code`` in a child; ``returncode`` is ``None`` when it was killed after ``timeout``.
         ``env``: set in the child before the script runs; ``folder``: run it as a script there
-        (its cwd and ``sys.path[0]``), without the zygote's PYTHONPATH."""
+        (its cwd and ``sys.path[0]``), without the zygote's PYTHONPATH; ``argv``: run it as
+        ``python argv[0] argv[1:]`` (``code`` is that file's text): its ``sys.argv``, ``__file__``,
+        and its folder first on ``sys.path``."""
         assert self._process.stdin is not None and self._process.stdout is not None
         with tempfile.TemporaryDirectory() as directory, self._lock:
             paths = {stream: os.path.join(directory, stream) for stream in ("stdout", "stderr")}
             for path in paths.values():
                 open(path, "w").close()
             self._process.stdin.write(
-                json.dumps({"code": code, "timeout": timeout, "env": env or {}, "folder": folder, **paths}) + "\n"
+                json.dumps(
+                    {"code": code, "timeout": timeout, "env": env or {}, "folder": folder, "argv": argv, **paths}
+                )
+                + "\n"
             )
             self._process.stdin.flush()
             returncode = json.loads(self._process.stdout.readline())["returncode"]

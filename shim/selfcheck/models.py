@@ -1,6 +1,6 @@
-"""Tiny models built in code: one module of builders for the self-checks of ``python -m shim doctor``,
-the tests and the benchmarks (the steps taken on them are in ``shim.selfcheck.steps``). Nothing is
-downloaded.
+"""Tiny models built in code: the builders of the self-checks of ``python -m shim doctor``, which the
+tests and the benchmarks build too (the steps taken on them are in ``shim.selfcheck.steps``; what
+only the tests build, in the repository's ``tests/tinymodels.py``). Nothing is downloaded.
 
 torch, transformers and peft are imported inside the functions: importing this module costs nothing.
 """
@@ -44,44 +44,6 @@ def tiny_llama(layers: int = 4, **overrides: Any) -> Any:
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=layers, **overrides))
-
-
-def tiny_qwen2(layers: int = 2) -> Any:
-    """A ``Qwen2ForCausalLM`` the size of :func:`tiny_llama` (q/k/v projections with biases)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def add_branch(model: Any, index: int = 1) -> Any:
-    """Give decoder layer ``index`` of a tiny decoder a trainable sub-module used on some calls only,
-    as routed or modality-specific blocks have: its MLP adds ``branch.extra(x)`` while
-    ``branch.active`` is true (it starts false). Returns the branch."""
-    import torch
-
-    class Branch(torch.nn.Module):  # type: ignore[misc]
-        def __init__(self, base: Any, width: int) -> None:
-            super().__init__()
-            self.base = base
-            self.extra = torch.nn.Linear(width, width, bias=False)
-            self.active = False
-
-        def forward(self, x: Any) -> Any:
-            out = self.base(x)
-            return out + self.extra(x) if self.active else out
-
-    layer = model.model.layers[index]
-    layer.mlp = Branch(layer.mlp, model.config.hidden_size)
-    return layer.mlp
 
 
 def frozen_llama_class() -> type:
@@ -210,23 +172,6 @@ def lora_config(**overrides: Any) -> Any:
     return LoraConfig(**values)
 
 
-def dropout_llama(layers: int = 2, lora_dropout: float | None = 0.3, attention_dropout: float = 0.1) -> Any:
-    """A tiny Llama in training mode with dropout active: ``attention_dropout`` in every attention and,
-    unless ``lora_dropout`` is ``None``, a PEFT LoRA adapter (:func:`lora_config`) with that dropout.
-    Seeded: two builds have the same weights. No KV cache, as a training script sets it: transformers
-    4.x builds one in every forward, and a recompute outside its own checkpointing would grow it."""
-    import torch
-
-    torch.manual_seed(0)
-    model = tiny_llama(layers, attention_dropout=attention_dropout, use_cache=False)
-    if lora_dropout is not None:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config(lora_dropout=lora_dropout))
-    model.train()
-    return model
-
-
 def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[Any, Callable[[Any], Any]]:
     """A torch-only stack of residual blocks (``Linear``, ``Dropout(p)``) in training mode, whose class
     names its block class in ``_no_split_modules`` as a transformers model does (so accelerate's
@@ -259,39 +204,3 @@ def dropout_blocks(blocks: int = 2, width: int = 16, p: float = 0.3) -> tuple[An
     model.train()
     inputs = torch.randn(4, width, generator=torch.Generator().manual_seed(1))
     return model, lambda m: m(inputs).pow(2).mean()
-
-
-SFT_WORDS = "<pad> <unk> <bos> <eos> hi how are you what is your name i am fine my cat the dog a mat".split()
-
-
-def word_tokenizer(words: list[str]) -> Any:
-    """A word-level tokenizer of ``words`` split on whitespace, built in code (nothing downloaded);
-    ``words`` starts with ``<pad> <unk> <bos> <eos>``."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
-    )
-
-
-def sft_inputs(layers: int = 2) -> tuple[Any, Any, Any]:
-    """What a trl ``SFTTrainer`` needs, built in code: a word-level tokenizer of :data:`SFT_WORDS`, a
-    tiny Llama sized to it (seeded: two builds are equal) and a two-row ``datasets.Dataset`` of text."""
-    import datasets  # type: ignore[import-untyped]
-    import torch
-    import transformers
-
-    tokenizer = word_tokenizer(SFT_WORDS)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        tiny_llama_config(
-            num_hidden_layers=layers, vocab_size=len(SFT_WORDS), pad_token_id=0, bos_token_id=2, eos_token_id=3
-        )
-    )
-    dataset = datasets.Dataset.from_dict(
-        {"text": ["hi how are you i am fine", "what is your name my cat the dog a mat"]}
-    )
-    return tokenizer, model, dataset

@@ -1,6 +1,6 @@
 """Steps taken on the tiny models of ``shim.selfcheck.models``: enabling checkpointing, one backward and
-its gradients, comparing them, counting checkpointed layer calls. Shared by the self-checks of
-``python -m shim doctor``, the tests and the benchmarks.
+its gradients, comparing them, counting checkpointed layer calls. Those of the self-checks of
+``python -m shim doctor``, shared with the tests and the benchmarks.
 
 torch and transformers are imported inside the functions: importing this module costs nothing.
 """
@@ -132,13 +132,6 @@ def layer_finding_checkpoint(checkpoint: Callable[..., Any] | None = None) -> Ca
         return func(*args, **kwargs)
 
     return checkpoint_trainable_layers
-
-
-def causal_lm_grads(model: Any, input_ids: Any, seed: int = 1) -> Grads:
-    """One backward of the language-modelling loss on ``input_ids``: the trainable parameters'
-    gradients, named as without torch's activation wrappers (``_checkpoint_wrapped_module.`` left out),
-    so a wrapped model compares with the same model unwrapped."""
-    return unwrapped_names(trainable_grads(model, lambda m: m(input_ids=input_ids, labels=input_ids).loss, seed))
 
 
 def unwrapped_names(grads: Grads) -> Grads:

@@ -1,7 +1,8 @@
 """Do no harm: every run that works without the shim works with it, and ends the same.
 
-Each workflow (``tests/do_no_harm/workflows/``) runs in two fresh interpreters, one with ``SHIM_DISABLE=all``
-(upstream) and one with the shim on, each under a hard timeout that ends its whole process group.
+Each workflow (``tests/do_no_harm/workflows/``) runs in two fresh interpreters (forked after ``import
+torch``, ``tests/zygote.py``), one with ``SHIM_DISABLE=all`` (upstream) and one with the shim on, each
+under a hard timeout that ends its whole process group.
 A workflow prints, per case, its outcome (or the exception's type and message) and what it produced:
 tokens, losses, digests of weights and gradients, for compiled runs the number of graphs and graph
 breaks. The two runs must match exactly: torch runs on one thread, so the same computation repeats
@@ -19,13 +20,10 @@ the ``inductor`` backend, which takes about a minute per case to compile on a CP
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, zygote
 from tests.do_no_harm.workflows import MARK
 
 WORKFLOWS = ROOT / "tests" / "do_no_harm" / "workflows"
@@ -34,39 +32,25 @@ IGNORED = {"seconds", "cpu", "where"}  # how long a case took, and where it fail
 
 
 def run_workflow(script: str, cases: list, shim: bool, timeout: float) -> dict:
-    """``tests/do_no_harm/workflows/<script> <cases>`` in a fresh interpreter, its process group killed after
-    ``timeout`` seconds; the workflow's ``{case: record}``."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SHIM_")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    """``python tests/do_no_harm/workflows/<script> <cases>`` in a fresh interpreter forked after
+    ``import torch`` (``tests/zygote.py``: the workflows test nothing torch's import could change,
+    and the shim patches nothing of torch), its process group killed after ``timeout`` seconds;
+    the workflow's ``{case: record}``."""
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # and each workflow sets torch's one thread first
     if not shim:
         env["SHIM_DISABLE"] = "all"
-    process = subprocess.Popen(
-        [sys.executable, str(WORKFLOWS / script), *cases],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,  # its own process group: a DDP rank it spawned goes with it
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
+    path = WORKFLOWS / script
+    done = zygote().run(path.read_text(), timeout, env=env, argv=[str(path), *cases])
+    if done.returncode is None:
         pytest.fail(
-            f"{script} {' '.join(cases)} (shim {'on' if shim else 'off'}) hung for {timeout} s, killed:\n{err[-3000:]}"
+            f"{script} {' '.join(cases)} (shim {'on' if shim else 'off'}) hung for {timeout} s, killed:\n"
+            f"{done.stderr[-3000:]}"
         )
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # whatever it left behind
-        except (ProcessLookupError, PermissionError):
-            pass
-    assert process.returncode == 0, (
-        f"{script} (shim {'on' if shim else 'off'}) exited {process.returncode}:\n{err[-3000:]}"
+    assert done.returncode == 0, (
+        f"{script} (shim {'on' if shim else 'off'}) exited {done.returncode}:\n{done.stderr[-3000:]}"
     )
-    lines = [line for line in out.splitlines() if line.startswith(MARK)]
-    assert lines, f"{script} printed no result:\n{out[-2000:]}\n{err[-3000:]}"
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    assert lines, f"{script} printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len(MARK) :])
 
 

@@ -14,8 +14,8 @@ import pytest
 from packaging.version import Version
 
 import shim
-from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import tinymodels as testmodels
 from tests.conftest import run_python
 
 NAME = "fsdp2-checkpoint-rng-state"
@@ -44,7 +44,7 @@ def step(model):
     """One step's gradients, and the RNG state after it (what the next step's dropout draws from)."""
     import torch
 
-    grads = tinysteps.causal_lm_grads(model, input_ids())
+    grads = testmodels.causal_lm_grads(model, input_ids())
     return grads, torch.get_rng_state()
 
 
@@ -52,7 +52,7 @@ def checkpointed(offload=False, **build):
     """The model after accelerate's ``fsdp2_apply_ac``, called as ``Accelerator.prepare`` calls it."""
     from accelerate.utils import fsdp_utils
 
-    model = tinymodels.dropout_llama(**build)
+    model = testmodels.dropout_llama(**build)
     return fsdp_utils.fsdp2_apply_ac(tinysteps.fsdp2_accelerator(model, offload=offload), model)
 
 
@@ -63,7 +63,7 @@ def wrappers(model):
 
 
 def reference():
-    return step(tinymodels.dropout_llama())
+    return step(testmodels.dropout_llama())
 
 
 def assert_like_the_uncheckpointed_step(model, expected):
@@ -102,7 +102,7 @@ def test_checkpointed_gradients_equal_the_uncheckpointed_step():
 
 def test_attention_dropout_alone_is_fixed_too():
     """No PEFT: dropout inside the attention only."""
-    expected = step(tinymodels.dropout_llama(lora_dropout=None))
+    expected = step(testmodels.dropout_llama(lora_dropout=None))
     with shim.disabled(NAME):
         assert tinysteps.wrong_grads(expected[0], step(checkpointed(lora_dropout=None))[0]), "bug"
     assert_like_the_uncheckpointed_step(checkpointed(lora_dropout=None), expected)
@@ -133,7 +133,7 @@ def test_wrappers_that_were_there_before_are_left_alone():
     from accelerate.utils import fsdp_utils
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    model = tinymodels.dropout_llama()
+    model = testmodels.dropout_llama()
     inner = model.base_model.model
     inner.lm_head = checkpoint_wrapper(inner.lm_head, preserve_rng_state=False)
     users = inner.lm_head
@@ -150,7 +150,7 @@ def test_wrappers_that_were_there_before_are_left_alone():
 def test_a_model_with_no_layer_the_policy_wraps_is_left_alone():
     from accelerate.utils import fsdp_utils
 
-    model = tinymodels.dropout_llama()
+    model = testmodels.dropout_llama()
     modules = dict(model.named_modules())
     count, _ = ledger()
     result = fsdp_utils.fsdp2_apply_ac(tinysteps.fsdp2_accelerator(model, layer_classes=[]), model)

@@ -17,6 +17,7 @@ import shim
 from shim.selfcheck import models, steps
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import configure, describe, layer_flags, quietly, supports
+from tests.tinymodels import causal_lm_grads
 
 peft = pytest.importorskip("peft")
 torch = pytest.importorskip("torch")
@@ -123,7 +124,7 @@ def test_the_kept_configuration_trains_with_the_gradients_of_no_checkpointing():
         model, _before, _after = prepare(config, **prepare_kwargs)
         torch.manual_seed(1)
         lora = peft.get_peft_model(model, models.lora_config(init_lora_weights=False))
-        return model, steps.causal_lm_grads(lora, input_ids)
+        return model, causal_lm_grads(lora, input_ids)
 
     _plain, reference = lora_grads(None, use_gradient_checkpointing=False)
     model, grads = lora_grads(NO_RNG)
@@ -229,7 +230,7 @@ def test_every_public_name_of_peft_s_function_is_the_patched_one():
         assert all(module.prepare_model_for_kbit_training is original for module in consumers)
         print("ok", [module.__name__ for module in consumers])
     """
-    out = run_python(code, env={"TRL_EXPERIMENTAL_SILENCE": "1"}).stdout.strip()
+    out = run_python(code, env={"TRL_EXPERIMENTAL_SILENCE": "1"}, torch_first=True).stdout.strip()
     assert out.startswith("ok ['peft', 'peft.utils'"), out
     if importlib.util.find_spec("trl") is not None:
         assert "cpo_trainer" in out, out

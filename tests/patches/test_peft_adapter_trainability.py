@@ -363,8 +363,8 @@ def test_trl_dpo_trainer_reference_adapter_trains_default_only(saved, tmp_path):
     pytest.importorskip("trl")
     from trl import DPOConfig, DPOTrainer
 
-    from shim.selfcheck.models import SFT_WORDS as words
-    from shim.selfcheck.models import word_tokenizer
+    from tests.tinymodels import SFT_WORDS as words
+    from tests.tinymodels import word_tokenizer
 
     tokenizer = word_tokenizer(words)
     torch.manual_seed(0)

@@ -9,8 +9,9 @@ import torch
 import transformers
 
 import shim
-from shim.selfcheck.models import lora_config, quiet_transformers, sft_inputs, tiny_llama
+from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama
 from shim.selfcheck.steps import wrong_grads
+from tests.tinymodels import sft_inputs
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")

@@ -188,3 +188,42 @@ def test_patches_use_only_the_engines_public_api():
             if private and module not in PUBLIC:
                 offenders.append(f"{path.name}: {module}")
     assert offenders == []
+
+
+def names_in(tree) -> set[str]:
+    """Every name ``tree`` reads: variables, attributes (``models.tiny_llama``), imported names."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.rpartition(".")[2])
+    return found
+
+
+def test_the_self_checks_wing_holds_only_what_shipped_code_uses():
+    """``shim/selfcheck`` ships in the wheel for the patches' self-checks: each function, class and
+    constant it defines is used by a patch or the shim (or by one that is); what only the tests build
+    is in tests/tinymodels.py, and nothing shipped imports the tests."""
+    defined = {}
+    for path in sorted((ENGINE / "selfcheck").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update((target.id, node) for target in targets if isinstance(target, ast.Name))
+    assert {"tiny_llama", "enable_checkpointing", "Grads"} <= set(defined), "where this test looks"
+    shipped = [
+        path for path in [*ENGINE.rglob("*.py"), *(ROOT / "patches").glob("*.py")] if "selfcheck" not in path.parts
+    ]
+    used = set().union(*(names_in(ast.parse(path.read_text())) for path in shipped))
+    reached, frontier = set(), used & set(defined)
+    while frontier:  # tiny_llama is used, and uses tiny_llama_config
+        name = frontier.pop()
+        reached.add(name)
+        frontier |= (names_in(defined[name]) & set(defined)) - reached
+    assert sorted(set(defined) - reached) == []
+    assert [path.name for path in shipped if any(module.split(".")[0] == "tests" for module in imports(path))] == []

@@ -71,7 +71,7 @@ raise SystemExit(main({args}))
 
 @pytest.mark.parametrize("args", [["doctor"], ["status", "--import-targets"]])
 def test_without_the_libraries_the_patches_are_for_the_cli_shows_not_installed_and_exits_0(args):
-    result = run_python(BLOCKED.format(args=args))  # asserts exit status 0
+    result = run_python(BLOCKED.format(args=args), torch_first=True)  # asserts exit status 0
     names = [row["name"] for row in catalogue.INDEX]
     rows = [line for line in result.stdout.splitlines() if line.split() and line.split()[0] in names]
     assert len(rows) == len(names)
@@ -84,13 +84,13 @@ def test_without_the_libraries_the_patches_are_for_the_cli_shows_not_installed_a
 
 def test_doctor_json_file_holds_the_records_of_doctor_json_beside_the_printed_table(tmp_path):
     path = tmp_path / "findings.json"
-    table = run_python(BLOCKED.format(args=["doctor", "--json-file", str(path)])).stdout
-    printed = run_python(BLOCKED.format(args=["doctor", "--json"])).stdout
+    table = run_python(BLOCKED.format(args=["doctor", "--json-file", str(path)]), torch_first=True).stdout
+    printed = run_python(BLOCKED.format(args=["doctor", "--json"]), torch_first=True).stdout
     assert json.loads(path.read_text()) == json.loads(printed)
     assert [record["name"] for record in json.loads(printed)] == [row["name"] for row in catalogue.INDEX]
     header = table.splitlines()[0].split()
     assert header[:2] == ["patch", "installed"] and header[-1] == "verdict"
-    assert table == run_python(BLOCKED.format(args=["doctor"])).stdout  # the table as doctor prints it
+    assert table == run_python(BLOCKED.format(args=["doctor"]), torch_first=True).stdout  # as doctor prints it
 
 
 def test_a_release_newer_than_any_measured_is_said_in_the_reasons_and_below_the_table(tmp_path):

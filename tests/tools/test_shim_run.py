@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shim.tools.run import SITECUSTOMIZE_DIR, environment
-from tests.conftest import ROOT
+from tests.conftest import ROOT, zygote
 
 SHIM_RUN = Path(sys.executable).with_name("shim-run")
 LAUNCHERS = {"shim-run": [str(SHIM_RUN)], "python -m shim run --": [sys.executable, "-m", "shim", "run", "--"]}
@@ -237,9 +237,8 @@ print(json.dumps(counts))
 def test_a_script_that_imports_the_shim_itself_gets_no_second_layer(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT_WITH_IMPORT_SHIM)
-    plain = subprocess.run(
-        [sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    # without shim-run: python train.py, forked after import torch (tests/zygote.py)
+    plain = zygote().run(SCRIPT_WITH_IMPORT_SHIM, 300, folder=str(tmp_path), argv=[str(script)])
     under = launch("shim-run", [sys.executable, str(script)], cwd=tmp_path, timeout=300)
     assert plain.returncode == 0 and under.returncode == 0, plain.stderr + under.stderr
     counts = json.loads(under.stdout.splitlines()[-1])

@@ -1,11 +1,12 @@
-"""Everyday workflows that ``tests/test_do_no_harm.py`` runs in fresh interpreters, once with
+"""Everyday workflows that ``tests/do_no_harm/test_do_no_harm.py`` runs in fresh interpreters, once with
 ``SHIM_DISABLE=all`` and once with the shim on: each script imports ``shim`` as a training script
 does, runs the cases named on its command line and prints one line, :data:`MARK` and a JSON object
 of ``{case: record}``. A record has ``ok``, ``error`` (``"Type: message"`` or ``None``), ``seconds``
 and ``cpu`` (its wall and CPU time), and what the case produced (tokens, losses, digests of weights and gradients), nothing that
 differs between two runs of the same computation.
 
-Models come from ``shim.selfcheck.models``; torch runs on one thread, so a computation repeats bit for bit.
+Models come from ``shim.selfcheck.models`` and ``tests.tinymodels``; torch runs on one thread, so a
+computation repeats bit for bit.
 """
 
 from __future__ import annotations

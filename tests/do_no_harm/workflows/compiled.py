@@ -46,12 +46,13 @@ from packaging.version import Version
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, user_functions, weights
 
 TRANSFORMERS = Version(transformers.__version__)
 
 RTOL, ATOL = 1e-5, 1e-6  # shim.selfcheck.steps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
-MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: tinymodels.tiny_qwen2(2)}
+MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: testmodels.tiny_qwen2(2)}
 
 
 def build(model: str):

@@ -3,7 +3,7 @@ parameter unused on some steps: ``python tests/do_no_harm/workflows/ddp.py CASE 
 
 This process is rank 0; rank 1 is a child forked from it once the shim is imported (as
 ``torch.multiprocessing`` starts workers on Linux), so it needs no imports of its own. The model is a
-tiny Llama whose decoder layer 1 has a branch (``tinymodels.add_branch``) off on the first step
+tiny Llama whose decoder layer 1 has a branch (``tests.tinymodels.add_branch``) off on the first step
 (its parameter unused) and on for the second. Cases, by checkpointing: ``none``,
 ``non-reentrant`` (reentrant checkpointing with ``find_unused_parameters=True`` fails upstream:
 ``Expected to mark a variable ready only once``). Each record holds both ranks' losses and weight
@@ -25,6 +25,7 @@ import torch
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import MARK, digest, error_of, input_ids, quiet, weights
 
 WORLD = 2
@@ -33,7 +34,7 @@ WORLD = 2
 def train(checkpointing: str, rank: int) -> dict:
     torch.manual_seed(0)
     model = tinymodels.tiny_llama(2)
-    branch = tinymodels.add_branch(model, 1)
+    branch = testmodels.add_branch(model, 1)
     model.train()
     if checkpointing != "none":
         tinysteps.enable_checkpointing(model, {"use_reentrant": checkpointing == "reentrant"})

@@ -9,7 +9,7 @@
   reentrant and not (pickled without the input-require-grads hook on its embeddings, a local
   function upstream cannot pickle); one training step on the original and on each copy: losses,
   gradient digests, each layer's checkpointing (flag, function, keywords).
-- ``branch``: a layer whose trainable sub-module is used on some calls only (``tinymodels.add_branch``,
+- ``branch``: a layer whose trainable sub-module is used on some calls only (``tests.tinymodels.add_branch``,
   active on the second of three SGD steps) under reentrant checkpointing, against the same steps
   without checkpointing: ``trainable`` (every parameter trains, ``input_ids``), and ``frozen``
   (``inputs_embeds`` from the frozen embeddings, layer 0 and layer 1 frozen but for the branch, so
@@ -84,6 +84,7 @@ from packaging.version import Version
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, weights
 
 
@@ -94,7 +95,7 @@ def llama(layers: int = 2):
 
 def qwen2():
     torch.manual_seed(0)
-    return tinymodels.tiny_qwen2(2)
+    return testmodels.tiny_qwen2(2)
 
 
 def greedy(model) -> list:
@@ -210,7 +211,7 @@ def branch_steps(frozen: bool, checkpointing: bool) -> list:
     """Three SGD steps, the branch active on the second: each step's loss and gradients (or the error
     that stopped the run)."""
     model = llama()
-    branch = tinymodels.add_branch(model, 1)
+    branch = testmodels.add_branch(model, 1)
     model.train()
     ids = input_ids()
     embeds = None
@@ -692,7 +693,7 @@ def trl_sft_checkpointing() -> dict:
         if selective and not hasattr(trl.models, "enable_selective_activation_checkpointing"):
             records[case] = {"outcome": "skipped", "why": "trl has no selective checkpointing"}
             continue
-        tokenizer, model, dataset = tinymodels.sft_inputs(2)
+        tokenizer, model, dataset = testmodels.sft_inputs(2)
         with tempfile.TemporaryDirectory() as folder:
             args = SFTConfig(
                 output_dir=folder,
