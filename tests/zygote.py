@@ -15,7 +15,7 @@ a child, an empty script's whole cost).
 Only for scripts whose first step is ``import torch``, or that test nothing torch's import could
 change, so that what they test (the order of the shim, transformers, trl and a model; the torch
 state the first import runs in; the shim's output; an everyday workflow with the shim off and on)
-starts after what the zygote has done: tests/engine/test_reliability.py's import orders and ambient
+starts after what the zygote has done: tests/engine/test_reliability.py's import orders, threads importing and ambient
 states, ``run_python(..., torch_first=True)`` and the do-no-harm workflows (never for a script that
 checks what ``import shim`` imports, or blocks torch).
 """

@@ -117,10 +117,16 @@ print(json.dumps({{"alive": alive, "errors": errors, "states": states}}))
 PARTIAL_MODULE_ERRORS = ("ImportError", "AttributeError", "KeyError", "_DeadlockError")
 
 
+# The scripts fork from a zygote that has imported torch: the threads race on the module locks of
+# transformers, trl and their packages and on the shim's finder, which watches no torch module;
+# torch's own import (4 CPU-seconds a script) only held the threads apart on its lock.
+
+
 @functools.cache
-def upstream_threaded_errors(names: tuple[str, ...]) -> tuple[str, ...]:
+def upstream_threaded_errors(names: tuple[str, ...], zygote: Zygote) -> tuple[str, ...]:
     """The errors of the same threaded imports without the shim, in this environment (measured once)."""
-    return tuple(run_script(THREADED_IMPORTS.format(names=list(names), with_shim=False), timeout=150)["errors"])
+    code = THREADED_IMPORTS.format(names=list(names), with_shim=False)
+    return tuple(run_script(code, timeout=150, zygote=zygote)["errors"])
 
 
 @pytest.mark.parametrize(
@@ -132,10 +138,10 @@ def upstream_threaded_errors(names: tuple[str, ...]) -> tuple[str, ...]:
     ids=["2 threads", "4 threads"],
 )
 @pytest.mark.parametrize("attempt", range(3))
-def test_threads_importing_transformers_and_its_modules_at_once_finish(names, attempt):
-    out = run_script(THREADED_IMPORTS.format(names=names, with_shim=True), timeout=150)
+def test_threads_importing_transformers_and_its_modules_at_once_finish(names, attempt, zygotes):
+    out = run_script(THREADED_IMPORTS.format(names=names, with_shim=True), timeout=150, zygote=zygotes[0])
     assert out["alive"] == [False] * len(names), "a thread hung: the shim deadlocked the imports"
-    upstream = upstream_threaded_errors(tuple(names))
+    upstream = upstream_threaded_errors(tuple(names), zygotes[0])
     if upstream:
         # Measured: transformers 4.57 and trl 0.25 imported from two threads at once fail without
         # the shim too. The shim may then add no other kind of failure.
@@ -168,8 +174,8 @@ print(json.dumps({"caught_executing": caught_executing, "alive": thread.is_alive
 """
 
 
-def test_import_shim_while_another_thread_executes_a_target_module_applies_the_patch():
-    out = run_script(RACE, timeout=150)
+def test_import_shim_while_another_thread_executes_a_target_module_applies_the_patch(zygotes):
+    out = run_script(RACE, timeout=150, zygote=zygotes[0])
     assert out["caught_executing"], "the race window was not hit: the test proves nothing"
     assert not out["alive"]
     assert out["reentrant-keyword-grads"][0] == "applied", out["reentrant-keyword-grads"][1]

@@ -103,10 +103,12 @@ def test_status_cli_json_and_table():
 
 
 def test_doctor_reports_the_load_bug_present_upstream_and_fixed():
+    # `doctor NAME`: that patch's self-check alone (every patch's: test_cli_edges.py's column check)
     out = run_python(
-        "from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json']))", torch_first=True
+        f"from shim.tools.cli import main; raise SystemExit(main(['doctor', '--json', '{NAME}']))", torch_first=True
     ).stdout
-    finding = next(f for f in json.loads(out) if f["name"] == NAME)
+    (finding,) = json.loads(out)
+    assert finding["name"] == NAME
     expected = ("yes", "no", "fixed") if LOAD_BUG else ("no", "no", "not affected")
     assert (finding["bug_upstream"], finding["bug_with_shim"], finding["verdict"]) == expected
 
