@@ -24,7 +24,7 @@ For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target
 wrappers; ``shim.written_by(obj)``, where another patcher's object was written. The engine looks
 for other patchers when a patch applies, when a status is read and at a target declared
 ``Target(..., lookout=True)``; ``shim.notice_others()`` looks at a moment of your own.
-``shim.selfcheck.models`` builds the tiny models of self-checks, tests and benchmarks.
+``shim.selfcheck.models`` builds the tiny models of the self-checks (tests and benchmarks use them too).
 """
 
 from __future__ import annotations
