@@ -103,7 +103,8 @@ class Report:
         since = {name: count - self.effects_before.get(name, 0) for name, count in _effect_counts().items()}
         record = {
             **fields,
-            "shim": {patch.name: patch.state for patch in shim.status()},
+            # Inside switched_off()'s shim.disabled() a patch keeps its state and its layers are off.
+            "shim": {patch.name: "suspended" if patch.suspended else patch.state for patch in shim.status()},
             "effects": {name: count for name, count in since.items() if count},
             "versions": {name: _version(name) for name in VERSIONS},
         }

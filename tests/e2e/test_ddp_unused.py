@@ -90,8 +90,10 @@ def effects(run_: Run) -> list[int]:
 def assert_patch_off(run_: Run) -> None:
     """The case ran with the patch switched off on every rank (and the other patches on)."""
     for rank, report in run_.reports.items():
-        assert report["shim"][DDP] == "disabled", f"rank {rank}: {report['shim']}"
-        assert "disabled" not in {state for name, state in report["shim"].items() if name != DDP}, report["shim"]
+        assert report["shim"][DDP] == "suspended", f"rank {rank}: {report['shim']}"
+        assert not {"disabled", "suspended"} & {state for name, state in report["shim"].items() if name != DDP}, report[
+            "shim"
+        ]
 
 
 def assert_fails_with(run_: Run, message: str, steps_done: int) -> None:

@@ -145,7 +145,7 @@ def test_single_rank_loses_checkpointing_without_the_shim(single_rank, trainer):
     report = run.reports[0]
     assert report["configured"] == {"use_reentrant": True, "every_n_layers": 2}
     # Every patch switched off through the case.
-    assert report["shim"].get(PATCH) == "disabled" and "applied" not in report["shim"].values(), report["shim"]
+    assert report["shim"].get(PATCH) == "suspended" and "applied" not in report["shim"].values(), report["shim"]
     # The Trainer set it up right; trl's re-enable loses it (every_n_layers: checkpointing-restore and checkpoint-kwargs-clean).
     setup = report["records"][0]
     assert observed_state(setup) == expected_state(report["configured"], setup["layers"]), run.describe()
