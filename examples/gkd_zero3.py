@@ -108,9 +108,12 @@ def checkpointing_state(model) -> dict:
 
 
 def shim_states() -> dict:
-    """Each shim patch's state in this process; empty when the shim is not loaded."""
+    """Each shim patch's state in this process ("suspended" inside a ``shim.disabled()`` block, where
+    a patch keeps its state and its layers are off); empty when the shim is not loaded."""
     loaded = sys.modules.get("shim")
-    return {patch.name: patch.state for patch in loaded.status()} if loaded is not None else {}
+    if loaded is None:
+        return {}
+    return {patch.name: "suspended" if patch.suspended else patch.state for patch in loaded.status()}
 
 
 class CheckpointingLog(TrainerCallback):
