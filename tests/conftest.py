@@ -59,6 +59,12 @@ def fake_modules(tmp_path, monkeypatch):
     return make
 
 
+def clean_environment(env: dict | None = None) -> dict:
+    """This process's environment without the SHIM_* variables, then ``env``: a fresh interpreter's
+    switches are only those a test sets."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")} | (env or {})
+
+
 _zygote = None
 
 
@@ -70,8 +76,7 @@ def zygote():
 
         from tests.zygote import Zygote
 
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-        _zygote = Zygote(clean | {"PYTHONPATH": str(ROOT)})
+        _zygote = Zygote(clean_environment({"PYTHONPATH": str(ROOT)}))
         atexit.register(_zygote.close)
     return _zygote
 
@@ -87,8 +92,7 @@ def run_python(
         assert result.returncode is not None, f"hung for {timeout} s (killed):\n{result.stderr[-3000:]}"
         assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
         return result
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    clean.update(env or {})
+    clean = clean_environment(env)
     clean["PYTHONPATH"] = str(ROOT)
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -17,7 +17,7 @@ import pytest
 import shim
 from shim import packs
 from shim.registry import Registry
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_environment
 
 _counter = itertools.count()
 BUILTIN = tuple(shim.registry.names)
@@ -83,12 +83,19 @@ def test_a_distribution_found_twice_counts_where_it_is_first_on_the_path(tmp_pat
     assert [(f.name, os.path.dirname(f.folder)) for f in found] == [("double-one", str(tmp_path / "first"))]
 
 
-def test_a_pack_patch_joins_a_registry_with_its_gate_switches_and_provider(tmp_path, monkeypatch):
+def activated(tmp_path, monkeypatch, version="1.2.0"):
+    """A registry of one pack's patch ``double-one`` on ``<name>.target:one``, activated (its target
+    not imported yet); the registry and the pack's package name."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"})
+    name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, version=version)
     (pack,) = load(tmp_path)[0]
     registry = Registry([pack])
     registry.activate()
+    return registry, name
+
+
+def test_a_pack_patch_joins_a_registry_with_its_gate_switches_and_provider(tmp_path, monkeypatch):
+    registry, name = activated(tmp_path, monkeypatch)
     assert f"{name}.target" not in sys.modules, "activation waits for the target module"
     target = __import__(f"{name}.target", fromlist=["one"])
     (status,) = registry.status()
@@ -101,12 +108,8 @@ def test_a_pack_patch_joins_a_registry_with_its_gate_switches_and_provider(tmp_p
 
 
 def test_shim_force_applies_a_pack_patch_outside_its_gate(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, version="0.9")
-    (pack,) = load(tmp_path)[0]
     monkeypatch.setenv("SHIM_FORCE", "double-one")
-    registry = Registry([pack])
-    registry.activate()
+    registry, name = activated(tmp_path, monkeypatch, version="0.9")
     target = __import__(f"{name}.target", fromlist=["one"])
     (status,) = registry.status()
     assert status.state == "applied" and "outside >=1.0, applied anyway because of SHIM_FORCE" in status.reason
@@ -115,11 +118,7 @@ def test_shim_force_applies_a_pack_patch_outside_its_gate(tmp_path, monkeypatch)
 
 
 def test_another_patcher_on_a_pack_target_is_named_as_on_a_built_in(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(tmp_path))
-    name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"})
-    (pack,) = load(tmp_path)[0]
-    registry = Registry([pack])
-    registry.activate()
+    registry, name = activated(tmp_path, monkeypatch)
     target = __import__(f"{name}.target", fromlist=["one"])
     target.one = lambda: 1  # another patcher's assignment replaces the pack's layer
     (status,) = registry.status()
@@ -193,10 +192,12 @@ print(json.dumps({
 """
 
 
-def import_shim(site, **env) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")} | env
+def import_shim(site, code=IMPORT, **env) -> subprocess.CompletedProcess:
+    """``python -c code`` with the packs under ``site`` installed (``None``: none), the SHIM_*
+    variables only from ``env``."""
+    clean = clean_environment(env)
     clean["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(site or "")]))
-    return subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, env=clean, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, cwd=ROOT)
 
 
 def test_import_shim_with_broken_packs_warns_once_each_and_changes_nothing_else(tmp_path):
@@ -244,8 +245,6 @@ with warnings.catch_warnings(record=True) as caught:
 print(json.dumps({{"state": states.get("double-one"), "one": target.one(),
                   "warnings": [str(w.message) for w in caught if "patch pack" in str(w.message)]}}))
 """
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, cwd=ROOT)
+    result = import_shim(tmp_path, code)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"state": "applied", "one": 2, "warnings": []}

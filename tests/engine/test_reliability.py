@@ -23,19 +23,11 @@ from shim.patches._checkpointing_calls import enable
 from shim.patches._checkpointing_state import layer_state
 from shim.selfcheck.models import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_names_of
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_environment
 from tests.patches.checkpointing_cases import quietly, tiny_llama
 from tests.zygote import Zygote
 
 ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
-
-
-def clean_environment(env: dict | None = None) -> dict:
-    import os
-
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    clean.update(env or {})
-    return clean
 
 
 def run_script(code: str, timeout: int = 120, env: dict | None = None, zygote: Zygote | None = None) -> dict:

@@ -15,7 +15,7 @@ from shim import settings
 from shim.settings import ShimWarning
 from shim.tools import cli, run
 from shim.tools.run import SITECUSTOMIZE_DIR
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_environment
 from tests.tools.test_cli_edges import PYTHON_M_SHIM, SHIM_RUN, WITHOUT_LIBRARIES
 from tests.tools.test_cli_edges import run as run_command
 
@@ -275,8 +275,7 @@ def test_odd_values_warn_in_one_bounded_line_with_the_valid_values(variable, val
 
 def test_import_shim_with_2000_unknown_names_warns_in_one_short_line():
     """The issue's own case: 1.27 MB of warnings before."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    env["SHIM_DISABLE"] = ",".join(f"x{i}" for i in range(2000))
+    env = clean_environment({"SHIM_DISABLE": ",".join(f"x{i}" for i in range(2000))})
     done = subprocess.run(
         [sys.executable, "-c", "import shim"], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120
     )
@@ -306,8 +305,8 @@ def test_a_shim_run_started_under_shim_run_leaves_the_users_sitecustomize_to_its
     user = tmp_path / "user-site"
     user.mkdir()
     (user / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    env["PYTHONPATH"] = os.pathsep.join([SITECUSTOMIZE_DIR, str(user)])  # as the outer shim-run leaves it
+    # PYTHONPATH as the outer shim-run leaves it
+    env = clean_environment({"PYTHONPATH": os.pathsep.join([SITECUSTOMIZE_DIR, str(user)])})
     done = subprocess.run(
         [*inner, sys.executable, "-c", "import os, sys; print('command', os.getpid(), 'shim' in sys.modules)"],
         env=env,

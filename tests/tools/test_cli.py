@@ -10,7 +10,7 @@ import pytest
 import shim
 from shim import patches as catalogue
 from shim.tools.cli import WIDTH, status_table
-from tests.conftest import ROOT, run_python
+from tests.conftest import ROOT, clean_environment, run_python
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -101,8 +101,7 @@ def test_a_release_newer_than_any_measured_is_said_in_the_reasons_and_below_the_
     dist_info = tmp_path / "transformers-99.0.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.0.0\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    env |= {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHIM_STRICT": "1"}
+    env = clean_environment({"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "SHIM_STRICT": "1"})
     note = f"transformers 99.0.0 is newer than the newest release measured ({newest}): run `python -m shim doctor`"
 
     def shim_cli(*args):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_environment
 
 WIDTH = 100
 SHIM_RUN = str(Path(sys.executable).with_name("shim-run"))
@@ -65,8 +65,8 @@ COMMANDS = {
 
 
 def run(command: list, **kwargs) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")}
-    env.update(PYTHONWARNINGS="ignore", RANK="12345")  # warnings are Python's; the longest rank prefix
+    # warnings are Python's; the longest rank prefix
+    env = clean_environment({"PYTHONWARNINGS": "ignore", "RANK": "12345"})
     return subprocess.run(command, env=env, cwd=ROOT, text=True, timeout=600, **kwargs)
 
 

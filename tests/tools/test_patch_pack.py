@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_environment
 
 pytestmark = pytest.mark.any_version  # the pack patches a module of its own, not the HF stack
 
@@ -48,7 +48,7 @@ def site(tmp_path_factory):
 
 def run(site, *args, code=None, env=None, check=True) -> subprocess.CompletedProcess:
     """``python -c code`` (or ``python args...``) with the pack installed, the SHIM_* variables only from ``env``."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")} | (env or {})
+    clean = clean_environment(env)
     clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site / "site")])
     command = [sys.executable, "-c", textwrap.dedent(code)] if code is not None else list(args)
     result = subprocess.run(command, capture_output=True, text=True, env=clean, cwd=site, timeout=300)
