@@ -90,11 +90,11 @@ def discovery(site: str | None, rounds: int) -> dict:
         "found": quartiles([r["s"][0] for r in found]),
         "found_repeated": repeated["s"][0] / 100,
         "metadata": quartiles([r["s"][0] for r in metadata]),
-        "distributions": int(run_python_count(path)),
+        "distributions": int(distribution_count(path)),
     }
 
 
-def run_python_count(env: dict) -> int:
+def distribution_count(env: dict) -> int:
     """How many distributions ``importlib.metadata`` sees with ``env``."""
     code = "import importlib.metadata as m\nimport json\nprint('RESULT ' + json.dumps(len(list(m.distributions()))))"
     return run_child([sys.executable, "-c", code], env)

@@ -120,7 +120,7 @@ def found(paths: Iterable[str] | None = None) -> list[Found]:
         for name in names:
             if not name.endswith((".dist-info", ".egg-info")):
                 continue
-            key = settings.canonical(name.rpartition(".")[0].partition("-")[0].replace(".", "-"))
+            key = settings.canonical(_named_in(name)[0].replace(".", "-"))
             if key in seen:  # shadowed by the same distribution earlier on sys.path, as importlib.metadata says
                 continue
             seen.add(key)
@@ -150,11 +150,16 @@ def _entries(text: str, folder: str) -> list[Found]:
     return out
 
 
+def _named_in(folder_name: str) -> tuple[str, str]:
+    """The name and version in a metadata folder's name: ``my_pack-1.0.dist-info``, ``my_pack.egg-info``."""
+    name, _, version = folder_name.rpartition(".")[0].partition("-")
+    return name, version.partition("-")[0]
+
+
 def _identity(folder: str) -> tuple[str, str]:
     """``Name`` and ``Version`` of a distribution's metadata (its folder's name where they are missing)."""
-    stem = os.path.basename(folder).rpartition(".")[0]
-    name, _, version = stem.partition("-")
-    fields = {"name": name, "version": version.partition("-")[0] or "?"}
+    name, version = _named_in(os.path.basename(folder))
+    fields = {"name": name, "version": version or "?"}
     for file_name in ("METADATA", "PKG-INFO"):
         try:
             with open(os.path.join(folder, file_name), encoding="utf-8") as file:

@@ -48,7 +48,7 @@ def of_pack(registry: Registry, name: str) -> str | None:
         return None
     patch = declared.patch
     module = sys.modules.get(declared.module)
-    story = inspect.cleandoc(module.__doc__) if module is not None and module.__doc__ else ""
+    story = inspect.getdoc(module) if module is not None else None
     lines = [
         f"## {name}",
         "",
