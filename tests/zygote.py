@@ -66,9 +66,11 @@ def child(request):  # a fresh interpreter after `import torch`, as far as the s
         exec(compile(request["code"], filename, "exec"), main)
         status = 0
     except SystemExit as stop:  # as the interpreter reads it
-        status = stop.code if stop.code is None or isinstance(stop.code, int) else 1
-        if not isinstance(stop.code, int) and stop.code is not None:
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code
+        else:  # a message: printed, exit status 1
             print(stop.code, file=sys.stderr)
+            status = 1
     except BaseException as error:  # as python -c ends on it: the traceback, exit 1
         error.__traceback__ = error.__traceback__.tb_next  # from the script's frame on
         sys.excepthook(type(error), error, error.__traceback__)
@@ -106,13 +108,12 @@ for line in sys.stdin:
             returncode = os.waitstatus_to_exitcode(status)
             break
         time.sleep(0.01)
-    else:
-        os.killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
     try:
-        os.killpg(pid, signal.SIGKILL)  # whatever its session left behind
+        os.killpg(pid, signal.SIGKILL)  # the child after a timeout; always whatever its session left behind
     except (ProcessLookupError, PermissionError):
         pass
+    if returncode is None:
+        os.waitpid(pid, 0)
     print(json.dumps({{"returncode": returncode}}), flush=True)
 """
 
