@@ -7,7 +7,8 @@ with the layer bound first (``partial(forward, layer, **kwargs)``) from 5.23. Wh
 the function a layer is given (decided once, when it is given: ``_checkpoint_path.py``), the layer
 holds a ``LayerCheckpoint`` of it: upstream's partial (same ``func``, ``args``, ``keywords``) that,
 per checkpointed call, lets each of its steps whose patch is on change what the checkpoint is
-handed, in the steps' declared order. Any other shape of call goes to the function unchanged.
+handed, in the catalogue's order of their patches. Any other shape of call goes to the function
+unchanged.
 
 Nothing of it outlives the shim: a ``LayerCheckpoint`` pickles and copies as the function the layer
 was given, and what a step hands the checkpoint is a plain ``functools.partial`` of a plain function or of a
@@ -86,8 +87,9 @@ class LayerCheckpoint(_partial):
     it (``==``, same hash) but is not it (``is``). It pickles, copies and deep-copies as ``given``
     would, so a saved model holds only what upstream's holds; a layer unpickled or copied with the
     shim loaded is given its function again and gets a ``LayerCheckpoint`` anew.
-    ``steps``: ``(switch, act)`` of each step that applies, in declared order; ``generation``: the
-    state of the path it was decided in (``_checkpoint_path.py``).
+    ``steps``: ``(switch, act)`` of each step that applies, in the order they act;
+    ``made_from``: what the slot's previous part handed on (``given``, or a ``LayerCheckpoint``
+    with fewer steps, kept alive so that the next layer given ``given`` finds the same objects).
     """
 
     def __call__(self, function, *args, **options):
@@ -131,13 +133,13 @@ eager(LayerCheckpoint.__call__)
 eager(record_effect)  # a step that acts counts its effect on that call
 
 
-def layer_checkpoint(given, steps: tuple, generation: int) -> LayerCheckpoint:
-    """``given`` as a :class:`LayerCheckpoint` running ``steps``."""
+def layer_checkpoint(given, steps: tuple, made_from) -> LayerCheckpoint:
+    """``given`` as a :class:`LayerCheckpoint` running ``steps``, made from ``made_from``."""
     if type(given) is _partial:
         made = LayerCheckpoint(given.func, *given.args, **given.keywords)
     else:  # any other callable, a partial subclass included, is called as it is
         made = LayerCheckpoint(given)
-    made.given, made.steps, made.generation = given, steps, generation
+    made.given, made.steps, made.made_from = given, steps, made_from
     if not _eager:
         bind_torch()  # the steps read torch through this module's global
         leave_to_eager()

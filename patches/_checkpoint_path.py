@@ -1,33 +1,33 @@
 """The checkpointing path: the one way a layer gets its checkpoint function, and the steps that
 act there. It names no patch: a patch with a part in it declares a :class:`Step` in its own module
-and takes the path's two targets with :func:`targets`.
+and takes the path's two targets with :func:`targets`; the engine's one layer on each target runs
+the parts of every such patch in the catalogue's one order (``shim.order``), as on any target.
 
 However a ``GradientCheckpointingLayer`` is given its function, it ends up assigned to
 ``layer._gradient_checkpointing_func`` (``_set_gradient_checkpointing`` at every enable and disable,
 ``checkpointing-restore`` putting a configuration back, a training script writing it directly) or
-arrives with the layer (unpickled, ``torch.load``-ed, copied). Two targets see all of it, each one
-layer shared by every patch with a step (``Target(..., shared=True)``):
+arrives with the layer (unpickled, ``torch.load``-ed, copied). Two targets see all of it:
 
-- the assignment of that attribute (:data:`SLOT`, an assign target): the layer holds a
-  ``LayerCheckpoint`` (``_checkpoint_function.py``) of the function where a step applies to it,
-  else the function itself; a read returns what is stored, as without the shim. A step that asks
-  to be told (``Step.given``) is told each time a layer is given a function. A mock
-  (``unittest.mock``) is stored as it is: a test that patches the attribute sees its own object.
+- the assignment of that attribute (:data:`SLOT`, an assign target): the function passes through
+  each step's part, outermost first; a part whose step applies to the function adds its step to a
+  ``LayerCheckpoint`` of it (``_checkpoint_function.py``), so the layer holds one object whose steps
+  act on each call in the parts' order; where no step applies it holds the function itself, and a
+  read returns what is stored, as without the shim. A step that asks to be told (``Step.given``) is
+  told each time a layer is given a function. A mock (``unittest.mock``) is stored as it is: a test
+  that patches the attribute sees its own object.
 - ``GradientCheckpointingLayer.__setstate__`` (:data:`SETSTATE`): a layer unpickled or copied is
   given its function again, so a model saved before (which holds only upstream's objects) gets its
   steps too.
 
-Which steps apply to a function is decided once per function object and state of the path (the
-steps declared, their switches), for every layer given it: an enable hands one function to every
-layer, and they all get the same ``LayerCheckpoint``, as upstream's share one partial. A step acts
-only while its patch is on; one switched on after a layer was given its function acts once the
-layer is given one again.
+Whether a step applies to a function is decided once per function object, for every layer given
+it: an enable hands one function to every layer, and they all get the same ``LayerCheckpoint``, as
+upstream's share one partial. A step acts only while its patch is on; one switched on after a layer
+was given its function acts once the layer is given one again.
 """
 
 from __future__ import annotations
 
 import functools
-import graphlib
 import sys
 import weakref
 from collections.abc import Callable
@@ -42,131 +42,88 @@ ATTRIBUTE = "_gradient_checkpointing_func"
 SLOT = f"transformers.modeling_layers:GradientCheckpointingLayer.{ATTRIBUTE}"
 SETSTATE = "transformers.modeling_layers:GradientCheckpointingLayer.__setstate__"
 _MISSING = object()
+_APPLIES_NOT = object()  # a decision: the step does not apply to that function
 
 
 @dataclass(frozen=True)
 class Step:
     """One patch's part in the checkpointing path, declared in the patch's own module.
 
-    ``name``: the patch, whose switch says whether the step acts.
+    ``name``: the patch, whose switch says whether the step acts and whose place in the catalogue's
+    order (``Patch.after``, ``Patch.place``) says when: on a call, the steps act outermost first.
     ``applies(function)``: whether the step acts on the calls of a layer given ``function``.
     ``act(layer, function, args)``: per checkpointed call of such a layer (``function`` the
     partial the layer hands over, ``args`` the checkpoint's inputs), ``None`` to leave the call
     as it is, or the ``(function, args)`` to hand the checkpoint instead; the next step sees them.
     ``given(layer, function)``: told each time a layer is given a callable.
-    ``after``: the steps this one runs after, where both act on a call (by patch name).
     """
 
     name: str
     applies: Callable[[Any], bool] | None = None
     act: Callable[[Any, Any, tuple], tuple | None] | None = None
     given: Callable[[Any, Any], None] | None = None
-    after: tuple[str, ...] = ()
-
-
-class _Path:
-    """The declared steps, in order, with their switches; ``generation`` changes whenever what a
-    decision depends on does (a step declared, a switch flipped)."""
-
-    def __init__(self) -> None:
-        self.steps: dict[str, Step] = {}
-        self.generation = 0
-        self._ordered: list[tuple[Step, Any]] | None = None
-        self._told: list[tuple[Callable[[Any, Any], None], Any]] = []  # (given, switch), in order
-
-    def declare(self, step: Step) -> None:
-        self.steps[step.name] = step  # a module imported again declares its step again
-        self._ordered = None
-        self.generation += 1
-
-    def ordered(self) -> list[tuple[Step, Any]]:
-        """``(step, switch)`` in declared order (``after``, else the order of declaration)."""
-        if self._ordered is None:
-            names = list(self.steps)
-            sorter = graphlib.TopologicalSorter(
-                {name: [n for n in self.steps[name].after if n in self.steps] for name in names}
-            )
-            sorter.prepare()
-            order: list[str] = []
-            while sorter.is_active():
-                ready = sorted(sorter.get_ready(), key=names.index)
-                order += ready
-                sorter.done(*ready)
-            ordered = []
-            for name in order:
-                try:
-                    switch = switch_of(name)
-                except KeyError:  # a step whose patch is in no registry never acts
-                    continue
-                switch.watch(self._flipped)
-                ordered.append((self.steps[name], switch))
-            self._told = [(step.given, switch) for step, switch in ordered if step.given is not None]
-            self._ordered = ordered
-        return self._ordered
-
-    def told(self) -> list[tuple[Callable[[Any, Any], None], Any]]:
-        """``(given, switch)`` of the steps that are told of every function a layer is given."""
-        if self._ordered is None:
-            self.ordered()
-        return self._told
-
-    def _flipped(self, _on: bool) -> None:
-        self.generation += 1
-
-
-_path = _Path()
-# id(function) -> a weak reference to the LayerCheckpoint made of it, which a layer holding it keeps
-# alive; the entry goes with it. Checked against the function it was made of before it is used.
-_made: dict[int, weakref.ref] = {}
 
 
 def targets(step: Step, probe=None) -> tuple[Target, Target]:
-    """Declare ``step`` and return the path's two targets, for its patch's ``targets``."""
-    _path.declare(step)
-    return (
-        Target(SLOT, _given, probe=probe, assign=True, shared=True),
-        Target(SETSTATE, _given_again, shared=True),
-    )
+    """The path's two targets with ``step``'s parts, for its patch's ``targets``."""
+    return Target(SLOT, _part(step), probe=probe, assign=True), Target(SETSTATE, _given_again)
 
 
-def _given(layer, function):
-    """The slot's wrapper: what ``layer`` holds when it is given ``function``."""
-    for given, switch in _path.told():
-        if switch.on:
-            given(layer, function)
-    return checkpoint_for(function)
+def _part(step: Step):
+    """``step``'s part on the slot: what a layer holds when it is given ``value``."""
+    switch = []  # the patch's switch, found at the first assignment (the part exists before its patch is registered)
+
+    def given(layer, value):
+        if step.given is not None:
+            step.given(layer, value)
+        if step.act is None:
+            return value
+        if not switch:
+            switch.append(switch_of(step.name))
+        return with_step(value, step, switch[0])
+
+    given.__qualname__ = given.__name__ = f"given_{step.name.replace('-', '_')}"
+    return given
 
 
-def checkpoint_for(function):
-    """A ``LayerCheckpoint`` of ``function`` with the steps that apply to it, or ``function``
-    itself where none does (decided once per function object and generation)."""
-    generation = _path.generation
-    if type(function) is LayerCheckpoint:
-        if function.generation == generation:
-            return function
-        function = function.given
-    key = id(function)
-    reference = _made.get(key)
-    made = reference() if reference is not None else None
-    if made is not None and made.given is function and made.generation == generation:
-        return made  # the usual case: the function an enable hands every layer, after the first
-    if not callable(function) or _is_mock(function):
-        return function
-    steps = tuple(
-        (switch, step.act)
-        for step, switch in _path.ordered()
-        if step.act is not None and switch.on and step.applies is not None and step.applies(function)
-    )
-    if not steps:
-        return function
-    made = layer_checkpoint(function, steps, generation)
-    _made[key] = weakref.ref(made, functools.partial(_forget, key))
+# (id(value), step name) -> (a weak reference to value, a weak reference to what value becomes with the
+# step, or _APPLIES_NOT): found again only for the same object; an entry goes with its value.
+_decided: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}
+
+
+def with_step(value, step: Step, switch):
+    """``value`` with ``step``: a ``LayerCheckpoint`` of the function it is (or it stands for) whose
+    steps end with ``step``, or ``value`` itself where the step does not apply or is there already."""
+    if type(value) is LayerCheckpoint:
+        if any(act is step.act for _switch, act in value.steps):
+            return value  # a layer given what another layer holds, or given its function again
+        function, steps = value.given, value.steps
+    elif callable(value) and not _is_mock(value):
+        function, steps = value, ()
+    else:
+        return value
+    key = (id(value), step.name)
+    found = _decided.get(key)
+    if found is not None and found[0]() is value:
+        if found[1] is _APPLIES_NOT:
+            return value
+        made = found[1]()
+        if made is not None:
+            return made  # the usual case: the function an enable hands every layer, after the first
+    applies = step.applies(function)
+    made = layer_checkpoint(function, (*steps, (switch, step.act)), value) if applies else value
+    try:
+        reference = weakref.ref(value, functools.partial(_forget, key))
+    except TypeError:  # an object without weak references is decided again at each assignment
+        return made
+    _decided[key] = (reference, weakref.ref(made) if applies else _APPLIES_NOT)
     return made
 
 
-def _forget(key: int, reference: weakref.ref) -> None:
-    if _made.get(key) is reference:  # not a newer object made for a function now at that address
-        del _made[key]
+def _forget(key, reference: weakref.ref) -> None:
+    found = _decided.get(key)
+    if found is not None and found[0] is reference:  # not a newer entry for an object now at that address
+        del _decided[key]
 
 
 def _is_mock(value) -> bool:

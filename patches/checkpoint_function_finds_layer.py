@@ -6,7 +6,7 @@ parameters, and other training frameworks' offload or selective wrappers) fail i
 once transformers checkpoints inside the layer's ``forward``: ``AttributeError: 'function' object
 has no attribute '__self__'``. The layer now hands over ``partial(forward, layer, **kwargs)``.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``), the last: a function that is not
+Fix: a step of the checkpointing path (``_checkpoint_path.py``), the innermost, so it acts last: a function that is not
 torch's or transformers' own, however a layer is given it, is handed the layer both ways:
 ``partial(<forward bound to the layer>, layer, **kwargs)``, so ``func.func.__self__`` and
 ``func.args[0]`` are the layer, and ``func(*args)`` as well as ``func.func(*args, **func.keywords)``
@@ -62,10 +62,7 @@ def _both_ways(layer, function, args):
     return functools.partial(LayerMethod(function.func, layer), *function.args, **function.keywords), args
 
 
-# Last: it hands over, both ways, whatever the steps before it hand the checkpoint.
-STEP = _checkpoint_path.Step(
-    NAME, applies=_is_own, act=_both_ways, after=("reentrant-keyword-grads", "reentrant-frozen-input-grads")
-)
+STEP = _checkpoint_path.Step(NAME, applies=_is_own, act=_both_ways)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -97,4 +94,6 @@ PATCH = Patch(
     targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     self_check=_self_check,
+    # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
+    place="innermost",
 )

@@ -10,8 +10,6 @@ module's flag and checkpoint function into the model's own ``__dict__``; after a
 brought no configuration of its own (kwargs empty or equal to the capture, no ``every_n_layers`` or
 ``offload`` written by the caller) that state is put back. The enable side wraps the implementation
 every entry point reaches, never the deprecated alias whose identity ``_is_overridden`` compares.
-A model's first enable is a lookout (``Target(..., lookout=True)``): the engine looks for other
-patchers then, before the first training step.
 
 Limits: an explicit configuration wins and drops the capture. A model whose
 ``_set_gradient_checkpointing`` override does not call ``super()`` is not restored.
@@ -136,13 +134,11 @@ PATCH = Patch(
             "transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable",
             _restoring_enable("gradient_checkpointing_kwargs"),
             requires="transformers<5.23",
-            lookout=True,
         ),
         Target(
             "transformers.modeling_utils:PreTrainedModel._activation_checkpointing_enable",
             _restoring_enable("activation_checkpointing_kwargs"),
             requires="transformers>=5.23",
-            lookout=True,
         ),
         Target(
             "transformers.modeling_utils:PreTrainedModel.activation_checkpointing_enable",

@@ -5,8 +5,7 @@ every ``PreTrainedModel`` inside the model, so a frozen vision tower's output re
 backward runs through all its frozen blocks for no gradient (3.4× the step time and 3× the peak
 memory in ``benchmarks/frozen_tower_input_grads.py``).
 
-Fix: ``PreTrainedModel.enable_input_require_grads`` is wrapped, stacked with
-``input-grad-hook-dedupe``. Each hook upstream put on a *sub-model's* embeddings is replaced, under
+Fix: ``PreTrainedModel.enable_input_require_grads`` is wrapped, outside ``input-grad-hook-dedupe``. Each hook upstream put on a *sub-model's* embeddings is replaced, under
 the same hook id, by one that calls upstream's hook only while that sub-model has a trainable
 parameter, checked per forward (a tower unfrozen later gets its hook back at once). The model's own
 embeddings keep upstream's hook; switched off, a replaced hook runs upstream's again.

@@ -6,7 +6,7 @@ Symptom (silent): with ``use_reentrant=True``, a checkpointed layer whose inputs
 trainable parameters no gradient, nor does any checkpointed layer after it: the reentrant
 checkpoint's output joins the graph only through inputs that require grad.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``), after ``reentrant-keyword-grads``
+Fix: a step of the checkpointing path (``_checkpoint_path.py``), beside ``reentrant-keyword-grads``
 (the two never act on one call). A reentrant call in grad mode with no grad-requiring input, on a
 layer with a trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires
 grad (an anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
@@ -75,7 +75,7 @@ def _tied(output, anchor):
     return output
 
 
-STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_anchor, after=("reentrant-keyword-grads",))
+STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_anchor)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 

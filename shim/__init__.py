@@ -21,9 +21,11 @@ Public API::
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``, ``shim.SameFix``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
 ``shim.switch_of(name)``, the live on/off switch of a patch, for a hook it installs outside its
-wrappers; ``shim.written_by(obj)``, where another patcher's object was written. The engine looks
-for other patchers when a patch applies, when a status is read and at a target declared
-``Target(..., lookout=True)``; ``shim.notice_others()`` looks at a moment of your own.
+wrappers; ``shim.written_by(obj)``, where another patcher's object was written. Several patches
+on one target share the engine's one layer there, which runs their parts in one declared order
+(``Patch.after``, ``Patch.place``: ``shim.order``). Other patchers on the shim's targets are named
+when asked: a status, doctor, the exit report, ``SHIM_LOG_LEVEL=DEBUG``, or
+``shim.notice_others()`` at a moment of your own.
 ``shim.selfcheck.models`` builds the tiny models of the self-checks (tests and benchmarks use them too).
 """
 
@@ -121,8 +123,8 @@ if settings.flag("SHIM_REPORT"):
     report_at_exit()
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
-# after the built-ins: a pack's module imports ``shim`` and finds the whole API, its layers sit
-# outside the built-ins' on a shared target, and it never takes a built-in's name. Where a pack is
+# after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit
+# outside the built-ins' of the same place on a target, and it never takes a built-in's name. Where a pack is
 # installed its module is imported now, since only its Patch knows its targets (``shim.packs``).
 packs.load(registry.names, register)
 

@@ -1,23 +1,24 @@
-"""Assign targets (``Target(..., assign=True)``): the shim's layer on an attribute that instances of
-a class are assigned, which sees every value assigned while its patch is on and never a read.
+"""Assign targets (``Target(..., assign=True)``): the engine's layer on an attribute that instances of
+a class are assigned, which passes every value assigned through the active parts and never runs on a
+read.
 
 The layer has the shape of wrapt's ``AttributeWrapper``: a data descriptor on the class whose
-``__wrapped__`` is what the class held before (another layer, a descriptor, a plain class default)
-or ``wrapt.MISSING``, so layers stack and ``wrapt.wrapper_chain``/``find_wrapper`` see them as they
-see the shim's function layers. It is a slotted class rather than a wrapt proxy: it is passed on
-every assignment of the attribute (per layer, per enable and disable) and read on every
-checkpointed layer call, and a proxy's attribute reads made each of those six times dearer.
+``__wrapped__`` is what the class held before (a descriptor, a plain class default) or
+``wrapt.MISSING``, so ``wrapt.wrapper_chain``/``find_wrapper`` see it as they see the shim's
+function layers. It is a slotted class rather than a wrapt proxy: it is passed on every assignment of
+the attribute (per layer, per enable and disable) and read on every checkpointed layer call, and a
+proxy's attribute reads made each of those six times dearer. One per target, whatever the number of
+patches with a part there (``shim.parts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import wrapt
 
 if TYPE_CHECKING:
-    from .runtime import Switch
+    from .parts import Parts
 
 MISSING = wrapt.MISSING
 
@@ -28,31 +29,21 @@ def _is_data_descriptor(value: object) -> bool:
 
 
 class AssignmentLayer:
-    """One patch's layer on ``owner.attribute``: ``assigned(instance, value)`` is given each value
-    assigned on an instance while the patch's switch is on, and returns what to store; a read
-    returns what is stored (raising ``AttributeError``, handed on to the class's ``__getattr__``,
-    as when the attribute was never set), and never runs the patch."""
+    """The layer on ``owner.attribute``: a value assigned on an instance passes through the active
+    parts (``parts.assigned(instance, value)``) and what they return is stored; a read returns what
+    is stored (raising ``AttributeError``, handed on to the class's ``__getattr__``, as when the
+    attribute was never set), and never runs a part."""
 
-    __slots__ = ("__wrapped__", "_self_shim_patch", "_self_shim_switch", "attribute", "assigned", "owner")
+    __slots__ = ("__wrapped__", "_self_shim_parts", "attribute", "owner")
 
-    def __init__(
-        self, prior: Any, owner: type, attribute: str, assigned: Callable[[Any, Any], Any], name: str, switch: Switch
-    ) -> None:
+    def __init__(self, prior: Any, owner: type, attribute: str, parts: Parts) -> None:
         self.__wrapped__ = prior
-        self.owner, self.attribute, self.assigned = owner, attribute, assigned
-        self._self_shim_patch, self._self_shim_switch = name, switch
-
-    def _beneath(self) -> Any:
-        """The first thing under the shim's layers: a descriptor, a class default, or MISSING."""
-        prior = self.__wrapped__
-        while type(prior) is AssignmentLayer:
-            prior = prior.__wrapped__
-        return prior
+        self.owner, self.attribute, self._self_shim_parts = owner, attribute, parts
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
             return self
-        prior = self._beneath()
+        prior = self.__wrapped__
         if prior is MISSING or not hasattr(type(prior), "__get__"):
             try:
                 return instance.__dict__[self.attribute]
@@ -65,21 +56,15 @@ class AssignmentLayer:
         return instance.__dict__[self.attribute]
 
     def __set__(self, instance: Any, value: Any) -> None:
-        layer = self
-        while True:  # down the shim's layers in one frame
-            if layer._self_shim_switch.on:
-                value = layer.assigned(instance, value)
-            prior = layer.__wrapped__
-            if type(prior) is not AssignmentLayer:
-                break
-            layer = prior
+        value = self._self_shim_parts.assigned(instance, value)
+        prior = self.__wrapped__
         if prior is not MISSING and hasattr(type(prior), "__set__"):
             prior.__set__(instance, value)
         else:
             instance.__dict__[self.attribute] = value
 
     def __delete__(self, instance: Any) -> None:
-        prior = self._beneath()
+        prior = self.__wrapped__
         if prior is not MISSING and hasattr(type(prior), "__delete__"):
             prior.__delete__(instance)
             return
@@ -98,7 +83,8 @@ class AssignmentLayer:
         return self
 
     def __repr__(self) -> str:
-        return f"<shim assign layer {self._self_shim_patch!r} on {self.owner.__qualname__}.{self.attribute}>"
+        names = ", ".join(self._self_shim_parts.names())
+        return f"<shim assign layer ({names}) on {self.owner.__qualname__}.{self.attribute}>"
 
 
 def resolve(module: object, path: str) -> tuple[type, Any]:
@@ -114,31 +100,24 @@ def resolve(module: object, path: str) -> tuple[type, Any]:
     return owner, MISSING
 
 
-def install(module: object, path: str, name: str, assigned: Callable[[Any, Any], Any], switch: Switch) -> Any:
-    """Put patch ``name``'s :class:`AssignmentLayer` on ``module.Class.attribute``; returns it."""
+def install(module: object, path: str, parts: Parts) -> AssignmentLayer:
+    """Put an :class:`AssignmentLayer` running ``parts`` on ``module.Class.attribute``; returns it."""
     owner, prior = resolve(module, path)
-    layer = AssignmentLayer(prior, owner, path.rpartition(".")[2], assigned, name, switch)
+    layer = AssignmentLayer(prior, owner, path.rpartition(".")[2], parts)
     setattr(owner, layer.attribute, layer)
     return layer
 
 
-def remove(handle: AssignmentLayer) -> bool:
-    """Take ``handle`` off: from the class when it is outermost there (the class gets back what it
-    held, or loses the attribute), or from under the shim's other layers. False when it is not
-    found there (replaced, or under something else)."""
-    owner, attribute = handle.owner, handle.attribute
-    current = vars(owner).get(attribute, MISSING)
-    if current is handle:
-        prior = handle.__wrapped__
-        inherited = next((vars(c)[attribute] for c in owner.__mro__[1:] if attribute in vars(c)), MISSING)
-        if prior is MISSING or prior is inherited:
-            delattr(owner, attribute)
-        else:
-            setattr(owner, attribute, prior)
-        return True
-    while type(current) is AssignmentLayer:
-        if current.__wrapped__ is handle:
-            current.__wrapped__ = handle.__wrapped__
-            return True
-        current = current.__wrapped__
-    return False
+def remove(layer: AssignmentLayer) -> bool:
+    """Take ``layer`` off the class, which gets back what it held (or loses the attribute); False
+    when the class no longer holds it (replaced, or under another descriptor)."""
+    owner, attribute = layer.owner, layer.attribute
+    if vars(owner).get(attribute, MISSING) is not layer:
+        return False
+    prior = layer.__wrapped__
+    inherited = next((vars(c)[attribute] for c in owner.__mro__[1:] if attribute in vars(c)), MISSING)
+    if prior is MISSING or prior is inherited:
+        delattr(owner, attribute)
+    else:
+        setattr(owner, attribute, prior)
+    return True

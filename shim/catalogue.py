@@ -4,8 +4,9 @@
 registry needs to hook the imports. The patch module itself (and ``packaging``, and whatever the
 patch needs) is imported when a target is, or when a status is asked for.
 
-The index is generated from each patch module's ``PATCH``, the one declaration of a patch, in
-stacking order (after the patches each names in ``Patch.after``; otherwise by name)::
+The index is generated from each patch module's ``PATCH``, the one declaration of a patch, in the
+catalogue's one order (``shim.order``: by ``Patch.place``, after the patches each names in
+``Patch.after``, otherwise by name), innermost first::
 
     python -m shim.patches --write    # rewrite patches/__init__.py's index
     python -m shim.patches --check    # exit 1 when it is stale (tests/project/test_catalogue.py does this)
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .order import stacking_order
 from .settings import warn_once
 
 if TYPE_CHECKING:
@@ -33,15 +35,18 @@ PROVIDER = "hf-train-shim"
 class Listing:
     """One built-in patch as the index lists it; :meth:`load` imports its module."""
 
-    __slots__ = ("name", "module", "distribution", "requires", "modules")
+    __slots__ = ("name", "module", "distribution", "requires", "modules", "place")
     provider = PROVIDER
 
-    def __init__(self, name: str, module: str, distribution: str, requires: str, modules: tuple[str, ...]) -> None:
+    def __init__(
+        self, name: str, module: str, distribution: str, requires: str, modules: tuple[str, ...], place: str = ""
+    ) -> None:
         self.name = name
         self.module = f"{PACKAGE}.{module}"
         self.distribution = distribution
         self.requires = requires
         self.modules = modules
+        self.place = place  # its place in the one order (shim.order); the index lists them in that order
 
     def load(self) -> Patch:
         patch: Patch = importlib.import_module(self.module).PATCH
@@ -71,7 +76,8 @@ def builtin() -> list[Listing]:
 
 
 def declared() -> list[Patch]:
-    """Every patch module's ``PATCH``, in :func:`stacking_order`."""
+    """Every patch module's ``PATCH``, in the one order (``shim.order.stacking_order``: an unknown
+    name, a cycle or an ``after`` against a ``place`` raises ``shim.order.OrderError`` here)."""
     import pkgutil
 
     package = importlib.import_module(PACKAGE)
@@ -85,28 +91,6 @@ def declared() -> list[Patch]:
     return stacking_order(list(patches.values()))
 
 
-def stacking_order(patches: Sequence[Patch]) -> list[Patch]:
-    """``patches`` in rounds: each round, by name, those whose ``after`` names are all placed."""
-    import graphlib
-
-    by_name = {patch.name: patch for patch in patches}
-    for patch in patches:
-        unknown = [name for name in patch.after if name not in by_name]
-        if unknown:
-            raise ValueError(f"patch {patch.name!r} is declared after {unknown[0]!r}, which is no built-in patch")
-    sorter = graphlib.TopologicalSorter({patch.name: patch.after for patch in patches})
-    try:
-        sorter.prepare()
-    except graphlib.CycleError as exc:
-        raise ValueError(f"the after= declarations form a cycle: {' -> '.join(exc.args[1])}") from None
-    ordered: list[Patch] = []
-    while sorter.is_active():
-        ready = sorted(sorter.get_ready())
-        ordered += (by_name[name] for name in ready)
-        sorter.done(*ready)
-    return ordered
-
-
 def render(patches: Sequence[Patch]) -> str:
     """The index block of ``patches/__init__.py`` for ``patches`` (formatted as ruff formats it)."""
     import json
@@ -118,6 +102,7 @@ def render(patches: Sequence[Patch]) -> str:
             "module": patch.name.replace("-", "_"),
             "distribution": patch.distribution,
             "requires": patch.requires,
+            **({"place": patch.place} if patch.place else {}),
         }
         modules = "".join(f"{json.dumps(module)}, " for module in patch.modules).rstrip(" ")
         lines += ["    {", *(f"        {json.dumps(k)}: {json.dumps(v)}," for k, v in fields.items())]

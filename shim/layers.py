@@ -1,6 +1,7 @@
-"""Everything one patch has installed (:class:`Layers`): its layer in each target, the layers a
-reload left on old classes, and the consumers' names it rebound; and which of its layers are no
-longer in place.
+"""Everything one patch has installed (:class:`Layers`): its part in each target's layer, the parts
+a reload left on old classes, and the consumers' names it rebound; which of them are no longer in
+place, and whether a target replaced since holds upstream's own object again (a reload) or
+another patcher's.
 
 Imported when the first patch applies, never by ``import shim`` itself.
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import rebinding, wrapping
+from .parts import Parts
 from .runtime import Switch
 
 if TYPE_CHECKING:
@@ -23,10 +25,12 @@ log = logging.getLogger("shim")
 
 
 class Layer(NamedTuple):
+    """One patch's part in one target: the target, and the engine's layer there that runs the part."""
+
     module: Any  # the module object the target lives in
     path: str  # the attribute path in it
-    handle: Any  # our wrapper
-    original: Any  # what it wraps
+    handle: Any  # the engine's layer in the target (shared with the other patches that have a part there)
+    original: Any  # what the layer wraps
     owner: Callable[[], Any]  # (a weak reference to) the object holding it: a class, or the module
     attribute: str  # its name there
     module_name: str  # the target module's name, under which sys.modules holds ``module``
@@ -72,37 +76,25 @@ class Layers:
         return bool(self.placed or self.rebound or self.replaced)
 
     def wrap(
-        self, patch: Patch, resolved: list[Resolved], switch: Switch, lookout: Callable[[Any], Any]
+        self, patch: Patch, resolved: list[Resolved], switch: Switch, rank: tuple[int, int]
     ) -> tuple[Switch, list[str]]:
-        """Wrap each resolved target (or adopt the layer already there); rebind the patch's
-        consumers. Returns the switch the layers answer to and the names it could not rebind.
-        ``lookout(wrapper)``: what a ``Target(..., lookout=True)``'s layer runs instead of its wrapper.
-        An exception leaves the layers added so far in :attr:`placed`, for :meth:`remove`."""
+        """Put the patch's part into each resolved target's layer (the layer put in first where the
+        target has none); rebind the patch's consumers. Returns the switch the parts answer to (a
+        part of the same patch found there, put by another registry or a reloaded shim, is adopted
+        with its switch) and the names it could not rebind. An exception leaves the parts added so
+        far in :attr:`placed`, for :meth:`remove`."""
         added = []
         for target, module, original in resolved:
-            handle = wrapping.find_shim_wrapper(original, patch.name)
-            if handle is not None:
-                # Another registry (or a reloaded shim) already applied it: adopt that layer
-                # and share its switch instead of adding a second one.
-                switch = wrapping.layer_switch(handle, patch.name)
-                original = handle.__wrapped__
-            elif target.shared and (handle := wrapping.find_shared(original, target.wrapper)) is not None:
-                wrapping.join_shared(handle, patch.name, switch)
-                original = handle.__wrapped__
+            handle = wrapping.find_layer(original)
+            if handle is None:
+                handle = wrapping.install(module, target.path, Parts(), target.assign)
             else:
-                handle = wrapping.install(
-                    module,
-                    target.path,
-                    patch.name,
-                    lookout(target.wrapper) if target.lookout else target.wrapper,
-                    switch,
-                    target.assign,
-                    target.shared,
-                )
+                original = handle.__wrapped__
             owner, attribute = wrapping.owner_of(module, target.path)
             layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
             self.placed.append(layer)
             added.append(layer)
+            switch = wrapping.parts_of(handle).join(patch.name, target.wrapper, switch, rank)  # type: ignore[union-attr]
         missed: list[str] = []
         self.consumers = patch.consumers
         for layer in added if patch.consumers else ():
@@ -112,8 +104,9 @@ class Layers:
         return switch, missed
 
     def remove(self) -> None:
-        """Take every layer off, whatever sits above it; a layer that cannot be spliced out stays,
-        and the caller switches it off (it is adopted again on the next activation)."""
+        """Take the patch's part out of every layer, and a layer left with no part off its target,
+        whatever sits above it; a layer that cannot be spliced out stays as a pass-through (a part
+        joins it again on the next activation)."""
         for module, attribute, handle, original in self.rebound:
             rebinding.unbind([(module, attribute)], handle, original)
         self.rebound.clear()
@@ -123,18 +116,24 @@ class Layers:
             copies, _failed = rebinding.rebind(self.consumers, layer.handle, layer.original)
             log.debug("%s: gave %d later copies of %s back", self.name, len(copies), layer.path)
         stuck = [
-            problem
-            for layer in reversed(self.placed)
-            if (problem := wrapping.remove(layer.module, layer.path, layer.handle, self.name))
+            problem for layer in reversed(self.placed) if (problem := self._leave(layer.module, layer.path, layer))
         ]
         for layer in self.replaced:  # from the old object it sits in, if that still holds it
             owner = layer.owner()
-            if owner is not None and (problem := wrapping.remove(owner, layer.attribute, layer.handle, self.name)):
+            if owner is not None and (problem := self._leave(owner, layer.attribute, layer)):
                 stuck.append(problem)
         self.placed.clear()
         self.replaced.clear()
         if stuck:
-            log.warning("%s: left in place switched off: %s", self.name, "; ".join(stuck))
+            log.warning("%s: left in place switched off (a layer with no part): %s", self.name, "; ".join(stuck))
+
+    def _leave(self, holder: object, path: str, layer: Layer) -> str | None:
+        parts = wrapping.parts_of(layer.handle)
+        if parts is not None:
+            parts.leave(self.name)
+            if parts.parts:
+                return None  # other patches' parts stay: so does the layer
+        return wrapping.remove(holder, path, layer.handle)
 
     def stale(self) -> list[Layer]:
         """Layers no longer in place: their target was replaced (``importlib.reload``, assignment),
@@ -149,17 +148,16 @@ class Layers:
             except wrapping.PathResolutionError:
                 stale.append(layer)
                 continue
-            if wrapping.find_shim_wrapper(current, self.name) is not layer.handle and not wrapping.holds(
-                current, layer.handle
-            ):
+            if wrapping.find_layer(current) is not layer.handle and not wrapping.holds(current, layer.handle):
                 stale.append(layer)
         return stale
 
-    def drop_stale(self, keep: Collection[str] = ()) -> set[str]:
+    def drop_stale(self, retake: bool) -> set[str]:
         """Set aside the layers whose target was replaced; returns their modules, to apply again.
-        ``keep``: targets (``module:path``) to leave as they are, whose replacement is another
-        patcher's (the shim never fights it on its own; ``shim.activate()`` puts the shim on top)."""
-        stale = [layer for layer in self.stale() if layer.spec not in keep]
+        A target that holds another patcher's object now is left as it is unless ``retake``
+        (``shim.activate()`` puts the shim on top): the shim never fights a patcher on its own;
+        one that holds upstream's own object again (a reload) is applied again."""
+        stale = [layer for layer in self.stale() if retake or upstream_again(layer)]
         for layer in stale:
             self.placed.remove(layer)
             self.replaced.append(layer)
@@ -167,3 +165,34 @@ class Layers:
 
     def describe(self, layers: list[Layer]) -> str:
         return ", ".join(f"{getattr(layer.module, '__name__', layer.module)}:{layer.path}" for layer in layers)
+
+
+def upstream_again(layer: Layer) -> bool:
+    """Whether ``layer``'s target holds upstream's own object again, written in the target's package
+    (``importlib.reload`` made new ones), not another patcher's."""
+    module = sys.modules.get(layer.module_name)
+    if module is None:
+        return False
+    owner_path = layer.path.rpartition(".")[0]
+    try:
+        current = wrapping.object_at(module, layer.path)
+    except wrapping.PathResolutionError:  # an assign target, not set on the new class: its class says
+        if not owner_path:
+            return False
+        try:
+            current = wrapping.object_at(module, owner_path)
+        except wrapping.PathResolutionError:
+            return False
+    return _written_in(current, layer.module_name.partition(".")[0])
+
+
+def _written_in(obj: object, package: str) -> bool:
+    """Whether the code of ``obj`` (a function, a method, a class) was written in ``package``: a
+    function by its globals (which ``functools.wraps`` does not copy), a class by its module."""
+    function = getattr(obj, "__func__", obj)
+    globals_ = getattr(function, "__globals__", None)
+    if isinstance(globals_, dict):
+        name = globals_.get("__name__")
+    else:
+        name = getattr(obj if isinstance(obj, type) else type(obj), "__module__", None)
+    return isinstance(name, str) and name.partition(".")[0] == package

@@ -1,11 +1,12 @@
-"""Other patchers on the shim's targets: who they are, where they sit, and when the shim looks.
+"""Other patchers on the shim's targets: who they are and where they sit, named when asked.
 
 Another library (unsloth, axolotl, a team's own monkey patch) may have replaced a target before or
 after the shim wrapped it, wrapped it again on top, or fix the same bug its own way. This room finds
-them (:class:`Other`: bypassed, above, below, same fix), logs each once per process (a warning
-where the fix does not run), and decides when to look: when a patch is applied, when a status is
-read, and at a moment training sets up, the first call of a target a patch marks as one
-(``Target(..., lookout=True)``: a model's first checkpointing enable), never per training step.
+them (:class:`Other`: bypassed, above, below, same fix) and logs each once per process (a warning
+where the fix does not run), when it is asked: a status (``python -m shim``, doctor, the exit
+report), ``shim.notice_others()``, and an apply while the ``shim`` logger shows DEBUG
+(``SHIM_LOG_LEVEL=DEBUG``). Applying a patch never comes here otherwise: what decides behaviour
+there (a layer replaced by a reload, or by someone else) is ``shim.layers``'.
 
 The libraries it counts as upstream's are those the registered patches target (:func:`note_upstream`).
 
@@ -18,8 +19,7 @@ import fnmatch
 import functools
 import logging
 import sys
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import wrapt
@@ -32,13 +32,12 @@ if TYPE_CHECKING:
 
 
 class Looked(Protocol):
-    """What this room reads of a patch's entry (``shim.entry.Entry``, which imports this room)."""
+    """What this room reads of a patch's entry (``shim.entry.Entry``)."""
 
     @property
     def name(self) -> str: ...
 
     layers: Layers | None
-    blocked_by: list[Other]
     patch: Patch | None
 
 
@@ -266,64 +265,30 @@ def _copies_around(layers: Layers) -> list[Other]:
     return found
 
 
-# -- when to look, and saying what was found --------------------------------------------------------
+# -- saying what was found ----------------------------------------------------------------------------
 
 _seen: set[Other] = set()  # other patchers already logged (once per process each)
-# Entries with layers in place, each with its registry's lock: what a lookout target looks at.
-_applied: weakref.WeakKeyDictionary[Looked, Any] = weakref.WeakKeyDictionary()
 
 
 def of_entry(entry: Looked, consumers: bool = True) -> list[Other]:
     """Other patchers on ``entry``'s targets (``consumers``: also on the names it rebound and the
-    consumer modules' copies, a walk over ``sys.modules``), what its probe refused to wrap, and
-    those known to fix the same bug (``Patch.same_fix``) while it is on; each new one logged."""
+    consumer modules' copies, a walk over ``sys.modules``) and those known to fix the same bug
+    (``Patch.same_fix``) while it is on; each new one logged."""
     layers = entry.layers
-    if not layers and not entry.blocked_by:
+    if not layers:
         return []
-    found = (on_layers(layers, consumers) if layers else []) + entry.blocked_by
-    if layers and entry.patch is not None:
+    found = on_layers(layers, consumers)
+    if entry.patch is not None:
         found += same_fixes(entry.patch)
+    say(entry.name, found)
+    return found
+
+
+def say(name: str, found: Iterable[Other]) -> None:
+    """Log each of ``found`` the first time it is found in this process (a warning where it bypasses
+    patch ``name``'s fix)."""
     for other in found:
         if other not in _seen:
             _seen.add(other)
             level = logging.WARNING if other.relation == BYPASSED else logging.INFO
-            log.log(level, "%s: %s", entry.name, other.text())
-    return found
-
-
-def at_apply(entry: Looked, lock: Any, registered: Iterable[Declared]) -> None:
-    """``entry`` has just wrapped its targets (its registry's ``lock`` held, ``registered`` its
-    patches): say who is under or over the new layers now; the consumer modules wait for a
-    status, not the user's import."""
-    note_upstream(registered)
-    _applied[entry] = lock
-    try:
-        of_entry(entry, consumers=False)
-    except Exception:  # naming it must never cost the user's import
-        log.debug("%s: could not look for other patchers", entry.name, exc_info=True)
-
-
-def look() -> None:
-    """Look on every applied patch's targets now (without the walk over ``sys.modules``); never raises."""
-    for entry, lock in list(_applied.items()):
-        try:
-            with lock:
-                if entry.layers:
-                    of_entry(entry, consumers=False)
-        except Exception:  # naming another patcher must never cost the user's training
-            log.debug("%s: could not look for other patchers", entry.name, exc_info=True)
-
-
-def lookout(wrapper: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrapper`` for a ``Target(..., lookout=True)``: the first call for each instance looks."""
-    looked: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    @functools.wraps(wrapper)
-    def looking(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        result = wrapper(wrapped, instance, args, kwargs)
-        if instance is not None and instance not in looked:  # training sets up: say it before the first step
-            looked.add(instance)
-            look()
-        return result
-
-    return looking
+            log.log(level, "%s: %s", name, other.text())

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import importhooks, settings
+from .order import OrderError
 
 if TYPE_CHECKING:
     from .patch import Patch
@@ -85,10 +86,13 @@ class Found:
 class Pack:
     """A pack's patch, loaded: what a registry needs of it (``shim.patch.Declared``), and where it is from."""
 
-    __slots__ = ("name", "distribution", "requires", "patch", "provider", "version", "entry_point", "module")
+    __slots__ = (
+        "name", "distribution", "requires", "after", "place", "patch", "provider", "version", "entry_point", "module",
+    )  # fmt: skip
 
     def __init__(self, patch: Patch, found: Found) -> None:
         self.name, self.distribution, self.requires = patch.name, patch.distribution, patch.requires  # its gate
+        self.after, self.place = patch.after, patch.place  # its order (shim.order)
         self.patch = patch
         self.provider = found.distribution  # PatchStatus.provider
         self.version = found.version
@@ -210,8 +214,11 @@ def _join(entry: Found, join: Callable[[Pack], object]) -> None:
     patch, problem = _patch(entry)
     if patch is None:
         _left_out(entry, problem)
-    else:
+        return
+    try:
         join(Pack(patch, entry))
+    except OrderError as exc:  # declared after a patch it cannot sit outside of (shim.order)
+        _left_out(entry, f"its place in the order cannot hold: {exc}")
 
 
 def _claim(entry: Found, builtin: Sequence[str], claimed: dict[str, Found]) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from .order import PLACES
 from .settings import PATCH_NAME
 
 #: A wrapt wrapper: ``wrapper(wrapped, instance, args, kwargs) -> result``.
@@ -75,15 +76,8 @@ class Target(_Spec):
     returns the value to store; reads return what was stored, as without the shim. The probe is
     given the class.
 
-    ``shared=True``: every patch that declares this target with this same wrapper object shares
-    one layer instead of stacking one each. The layer acts while any of them is on; the wrapper
-    decides what it does for each of them by that patch's own switch (``shim.switch_of``). The
-    checkpointing path's two targets are shared so (``shim.patches._checkpoint_path``).
-
-    ``lookout=True``: a call of this target is a moment a training run sets up (a model's
-    checkpointing enable). At the first such call for each instance, while the patch is on, the
-    engine looks for other patchers on the shim's targets and logs each new one, so a patcher that
-    bypasses a fix is named before the first training step, not only by a status.
+    Several patches with a target on one attribute share one layer there, owned by the engine, which
+    runs their wrappers in the catalogue's one order (``Patch.after``, ``Patch.place``).
     """
 
     spec: str
@@ -91,8 +85,6 @@ class Target(_Spec):
     requires: str = ""
     probe: Callable[[object], str | None] | None = None
     assign: bool = False
-    shared: bool = False
-    lookout: bool = False
     requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
@@ -120,8 +112,8 @@ class SameFix(_Spec):
     ``spec`` (``"package.module:Class.attribute"``) is where it puts its code; it is named once
     ``Class`` has a true attribute ``mark`` and ``spec`` holds code that is not upstream's.
     ``covers`` says for what its fix holds (the shim's may cover more). Looked at wherever the shim
-    looks for other patchers (``shim.others``: a patch applied, a status, a lookout target), never imported: a
-    module nobody imported has nobody's fix in it.
+    looks for other patchers (``shim.others``: when a status, doctor or the exit report asks), never
+    imported: a module nobody imported has nobody's fix in it.
     """
 
     spec: str
@@ -143,8 +135,11 @@ class Patch:
     ``True`` when the bug shows. ``consumers`` are ``fnmatch`` patterns of module names whose
     module-level references to a target are rebound to the wrapper while the patch is applied
     (for modules that did ``from target import name`` before the shim could wrap it).
-    ``after`` names the patches whose layers this one's sit outside of where both wrap the same
-    target: the stacking order, explicit wherever two patches share a target.
+    ``after`` and ``place`` put the patch's parts in the one order of the catalogue (``shim.order``):
+    on a target several patches wrap, the engine's one layer runs the outermost part first and the
+    innermost last, next to upstream. ``after`` names the patches whose parts this one's sit outside
+    of; ``place`` is ``"innermost"`` or ``"outermost"`` for a part that must sit there whoever else
+    is on the target (``""``: in between), without naming them.
     ``same_fix`` lists other patchers known to fix the same bug (:class:`SameFix`): status names
     them where they are on. ``upstream_fix()`` looks for upstream's own fix in the installed code
     and returns what shows it is there, or ``None``; it decides for a build between releases that
@@ -162,6 +157,7 @@ class Patch:
     self_check: Callable[[], bool] | None = None
     consumers: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    place: str = ""
     same_fix: tuple[SameFix, ...] = ()
     upstream_fix: Callable[[], str | None] | None = None
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
@@ -173,6 +169,8 @@ class Patch:
             raise ValueError(f"patch {self.name!r} has no targets")
         if isinstance(self.after, str) or not all(PATCH_NAME.match(name) for name in self.after):
             raise ValueError(f"patch {self.name!r}: after= must be a tuple of patch names, not {self.after!r}")
+        if self.place not in PLACES:
+            raise ValueError(f"patch {self.name!r}: place= must be one of {PLACES}, not {self.place!r}")
         if not all(isinstance(same, SameFix) for same in self.same_fix):
             raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
         if self.upstream_fix is not None and not callable(self.upstream_fix):
@@ -203,6 +201,7 @@ class Declared(Protocol):
     name: str
     distribution: str
     requires: str
+    place: str
 
     @property
     def modules(self) -> tuple[str, ...]: ...

@@ -7,6 +7,7 @@ Imported only when a status is asked for, never by ``import shim`` itself.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,10 +67,16 @@ def status_of(entry: Entry) -> PatchStatus:
     reason = entry.reason
     installed = entry.installed_version or gating.installed_version(declared.distribution)
     found = []
-    if entry.layers or entry.blocked_by:
+    if entry.layers:
         from . import others
 
         found = others.of_entry(entry)
+    elif refused_by_a_probe(entry):
+        from . import others
+
+        found = others.blocking(entry.load(), [m for m in declared.modules if m in sys.modules])
+        others.say(declared.name, found)
+        reason = "; ".join([reason, *(f"{o.target} holds {o.by}, another patcher's" for o in found)])
     try:
         patch: Patch | None = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
@@ -90,6 +97,13 @@ def status_of(entry: Entry) -> PatchStatus:
         suspended=entry.suspended > 0,
         provider=getattr(declared, "provider", ""),  # a catalogue listing's or a pack's; a plain Patch has none
     )
+
+
+def refused_by_a_probe(entry: Entry) -> bool:
+    """Skipped or failed for good inside its gate, with nothing wrapped: a target missing, or a
+    probe that refused what it found there (another patcher's object, perhaps)."""
+    gate = entry.gate
+    return entry.final and entry.state in (State.SKIPPED, State.FAILED) and gate is not None and gate.skip is None
 
 
 #: What a status reason adds after the sentence of :func:`shim.gating.newer_than_measured`.

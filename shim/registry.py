@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from . import forks, importhooks, settings
+from . import forks, importhooks, order, settings
 from .entry import Entry
 from .settings import PatchError
 
@@ -36,18 +35,23 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._hooks: dict[tuple[str, str], importhooks.Hook] = {}  # (patch, module or "reload:" + module) -> hook
         self._active = False
-        for patch in patches:
+        # In the one order (shim.order): a patch given before one it is declared after goes after it.
+        for patch in order.arrange(patches):
             self.register(patch)
 
     def register(self, patch: Declared) -> Declared:
-        """Add ``patch``; if the registry is active it is applied now or on its targets' import."""
+        """Add ``patch``; if the registry is active it is applied now or on its targets' import.
+        Its parts sit outside those of every patch registered before it in the same place
+        (``shim.order``); an ``after`` that cannot hold raises :class:`shim.order.OrderError`."""
         with self._lock:
             existing = self._entries.get(patch.name)
             if existing is not None:
                 if existing.declared is patch or existing.load() == patch.load():
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
-            self._entries[patch.name] = Entry(patch, active=self._active)
+            order.check_after(patch, {e.name: e.declared.place for e in self._entries.values()})
+            rank = order.rank(patch.place, len(self._entries))
+            self._entries[patch.name] = Entry(patch, active=self._active, rank=rank)
             active = self._active
         if active:
             self._try_apply(patch.name)
@@ -71,7 +75,8 @@ class Registry:
     # -- switching ------------------------------------------------------------------------------
 
     def activate(self) -> None:
-        """Apply every enabled patch now, or right after its target modules are imported."""
+        """Apply every enabled patch now, or right after its target modules are imported (a target
+        another patcher replaced is wrapped again, on top)."""
         with self._lock:
             self._active = True
             for entry in self._entries.values():
@@ -149,20 +154,34 @@ class Registry:
             pass
         with self._lock:
             forced = settings.read(self._entries).forced
+            if any(entry.layers for entry in self._entries.values()):
+                from . import others
+
+                others.note_upstream(e.declared for e in self._entries.values())
             for entry in self._entries.values():
                 entry.refresh(entry.name in forced)
             return [status_of(entry) for entry in self._entries.values()]
 
-    @staticmethod
-    def notice_others() -> None:
-        """Look for other patchers on the applied patches' targets (of every registry) now and log
-        each new one once (a warning where it bypasses a fix), without the walk over
-        ``sys.modules`` a status makes. The engine looks by itself when a patch applies, when a
-        status is read and at a lookout target (``Target(..., lookout=True)``); this is for a
-        moment of your own that is not on a hot path. Never raises."""
-        others = sys.modules.get("shim.others")
-        if others is not None:  # else nothing has applied, and there is nothing to look at
-            others.look()
+    def notice_others(self) -> None:
+        """Look for other patchers on the applied patches' targets now and log each new one once
+        (a warning where it bypasses a fix), without the walk over ``sys.modules`` a status makes.
+        A status, doctor and the exit report look by themselves, and the apply does where the
+        ``shim`` logger shows DEBUG; this is for a moment of your own. Never raises."""
+        with self._lock:
+            applied = [entry for entry in self._entries.values() if entry.layers]
+            if applied:
+                self._look_at(applied)
+
+    def _look_at(self, entries: list[Entry]) -> None:
+        """Name the other patchers on ``entries``' targets (lock held); never raises."""
+        from . import others
+
+        others.note_upstream(e.declared for e in self._entries.values())
+        for entry in entries:
+            try:
+                others.of_entry(entry, consumers=False)
+            except Exception:  # naming another patcher must never cost the user's import or training
+                log.debug("%s: could not look for other patchers", entry.name, exc_info=True)
 
     # -- applying -------------------------------------------------------------------------------
 
@@ -195,10 +214,8 @@ class Registry:
             progress = self._entries[name].advance(
                 lambda module: module == finished or importhooks.finished(module), config, late
             )
-            if progress.wrapped:
-                from . import others
-
-                others.at_apply(self._entries[name], self._lock, [e.declared for e in self._entries.values()])
+            if progress.wrapped and log.isEnabledFor(logging.DEBUG):  # asked for: SHIM_LOG_LEVEL=DEBUG
+                self._look_at([self._entries[name]])
             keys = [*progress.waiting, *(f"reload:{module}" for module in progress.done)]
             new_hooks = {key: self._hook(name) for key in keys if (name, key) not in self._hooks}
             self._hooks.update(((name, key), hook) for key, hook in new_hooks.items())

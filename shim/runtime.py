@@ -25,11 +25,10 @@ _last: dict[str, tuple[str, tuple[object, ...]]] = {}
 
 
 class Switch:
-    """Handed to wrapt as each wrapper's ``enabled``; wrapt evaluates it on every call, so
-    flipping it acts at once, even when other wrappers sit on top of ours. ``on`` is precomputed
-    by the entry, so the per-call check is one attribute read. A switch is off until its patch is
-    applied, so a hook or function a patch installs outside its wrappers (``shim.switch_of``)
-    acts only while the patch is applied and switched on.
+    """Whether one patch acts right now. ``on`` is set by the patch's entry; the layers the patch
+    has a part in watch it (``shim.parts``) and change which parts they run when it flips, so a
+    call never checks it. A switch is off until its patch is applied, so a hook or function a patch
+    installs outside its parts (``shim.switch_of``) acts only while the patch is applied and on.
 
     A patch that changes something outside its wrappers that must not outlive its switch (a
     class attribute it replaced) registers :meth:`watch`: the callback is told each time ``on``
@@ -63,32 +62,6 @@ class Switch:
     def unwatch(self, watcher: Callable[[bool], object]) -> None:
         if watcher in self.watchers:
             self.watchers.remove(watcher)
-
-
-class SharedSwitch(Switch):
-    """The switch of a layer several patches share (``Target(..., shared=True)``): on while any
-    member's own switch is. What the shared wrapper does for each member, it decides by that
-    member's switch (``shim.switch_of``)."""
-
-    __slots__ = ("members",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.members: dict[str, Switch] = {}
-
-    def join(self, name: str, switch: Switch) -> None:
-        self.members[name] = switch
-        switch.watch(self._follow)
-        self._follow()
-
-    def leave(self, name: str) -> None:
-        switch = self.members.pop(name, None)
-        if switch is not None:
-            switch.unwatch(self._follow)
-        self._follow()
-
-    def _follow(self, _on: bool = False) -> None:
-        self.set(any(switch.on for switch in self.members.values()))
 
 
 def record(patch: str, message: str, *args: object) -> None:

@@ -1,10 +1,11 @@
-"""A layer in one target: the shim's wrapt layers on functions and methods, the marks that name the
-patch and switch a layer answers to, and putting a layer in a target and taking it off (an assign
-target's layer is :mod:`shim.assigning`'s).
+"""The engine's layer in one target: the wrapt layer on a function or method (an assign target's is
+:mod:`shim.assigning`'s), the mark that finds it, putting it in a target and taking it off. One
+layer per target, however many patches have a part there: the layer runs its :class:`shim.parts.Parts`.
 
-The sentinel that makes application idempotent lives on the wrapper in the target, not in the
-shim's module state: a reloaded ``shim`` or a second registry finds the layer already there with
-``wrapt.find_wrapper`` and adopts it (with its switch) instead of adding another.
+The sentinel that makes application idempotent lives on the layer in the target, not in the shim's
+module state: a reloaded ``shim`` or a second registry finds the layer already there with
+``wrapt.find_wrapper`` and joins it (adopting a part of the same patch, with its switch) instead
+of adding another.
 
 Imported when the first patch applies, never by ``import shim`` itself (wrapt waits until then).
 """
@@ -16,18 +17,15 @@ import functools
 import importlib
 import inspect
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import wrapt
 
 from . import assigning
-from .assigning import AssignmentLayer
-from .runtime import SharedSwitch, Switch
+from .parts import Parts
 
-# Stored on the wrapper itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
-_PATCH_ATTRIBUTE = "_self_shim_patch"
-_SWITCH_ATTRIBUTE = "_self_shim_switch"
+# Stored on the layer itself (wrapt keeps ``_self_*`` attributes on the proxy, not the target).
+_PARTS_ATTRIBUTE = "_self_shim_parts"
 # Marks the function that stands for an inherited method under a layer (see _inherited).
 _DISPATCH_ATTRIBUTE = "__shim_inherited_dispatch__"
 
@@ -46,22 +44,25 @@ def owner_of(module: object, path: str) -> tuple[Any, str]:
     return parent, attribute
 
 
-def patch_names_of(wrapper: object) -> tuple[str, ...]:
-    """The patches whose layer ``wrapper`` is, if it is a shim layer (never looked up through
-    proxies): one name, or every member of a shared layer."""
+def parts_of(layer: object) -> Parts | None:
+    """The parts ``layer`` runs, if it is a shim layer (never looked up through proxies)."""
     try:
-        switch = object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
-        name = object.__getattribute__(wrapper, _PATCH_ATTRIBUTE)
+        parts = object.__getattribute__(layer, _PARTS_ATTRIBUTE)
     except (AttributeError, TypeError):
-        return ()
-    if isinstance(switch, SharedSwitch):
-        return tuple(switch.members)
-    return (name,) if isinstance(name, str) else ()
+        return None
+    return parts if isinstance(parts, Parts) else None
+
+
+def patch_names_of(layer: object) -> tuple[str, ...]:
+    """The patches with a part in ``layer``, outermost first, if it is a shim layer."""
+    parts = parts_of(layer)
+    return parts.names() if parts is not None else ()
 
 
 def wrappers_on(target: object) -> list[tuple[str, Any]]:
-    """``(patch name, layer)`` for each shim layer in ``target``'s wrapper chain, outermost first;
-    ``target``: an object, or a ``"module:Class.attribute"`` spec of a module already imported."""
+    """``(patch name, layer)`` for each part in the shim's layer in ``target``'s wrapper chain,
+    outermost first; ``target``: an object, or a ``"module:Class.attribute"`` spec of a module
+    already imported."""
     if isinstance(target, str):
         module_name, _, path = target.partition(":")
         module = sys.modules.get(module_name)
@@ -75,46 +76,14 @@ def wrappers_on(target: object) -> list[tuple[str, Any]]:
     return [(name, entry) for entry in chain for name in patch_names_of(entry)]
 
 
+def find_layer(obj: object) -> Any:
+    """The shim's layer anywhere in ``obj``'s wrapper chain, or ``None``."""
+    return wrapt.find_wrapper(obj, predicate=lambda entry: parts_of(entry) is not None)
+
+
 def find_shim_wrapper(obj: object, name: str) -> Any:
-    """Our wrapper for patch ``name`` anywhere in ``obj``'s wrapper chain, or ``None``."""
+    """The shim's layer in ``obj``'s wrapper chain if patch ``name`` has a part in it, or ``None``."""
     return wrapt.find_wrapper(obj, predicate=lambda entry: name in patch_names_of(entry))
-
-
-def layer_switch(wrapper: object, name: str) -> Switch:
-    """The switch patch ``name``'s layer ``wrapper`` answers to for it (a member's own, in a shared layer)."""
-    switch: Switch = object.__getattribute__(wrapper, _SWITCH_ATTRIBUTE)
-    if isinstance(switch, SharedSwitch):
-        return switch.members[name]
-    return switch
-
-
-def _wrapper_of(layer: object) -> Any:
-    """The function a shim layer runs: an assign layer's ``assigned``, a wrapt layer's wrapper."""
-    if type(layer) is AssignmentLayer:
-        return layer.assigned
-    try:
-        return object.__getattribute__(layer, "_self_wrapper")
-    except AttributeError:
-        return None
-
-
-def find_shared(obj: object, wrapper: object) -> Any:
-    """The shared layer running ``wrapper`` in ``obj``'s wrapper chain (another patch declared
-    the same shared target), or ``None``."""
-
-    def shares(entry: object) -> bool:
-        try:
-            switch = object.__getattribute__(entry, _SWITCH_ATTRIBUTE)
-        except (AttributeError, TypeError):
-            return False
-        return isinstance(switch, SharedSwitch) and _wrapper_of(entry) is wrapper
-
-    return wrapt.find_wrapper(obj, predicate=shares)
-
-
-def join_shared(layer: object, name: str, switch: Switch) -> None:
-    """Make patch ``name`` (with its own ``switch``) a member of the shared ``layer``."""
-    object.__getattribute__(layer, _SWITCH_ATTRIBUTE).join(name, switch)
 
 
 class _BoundLayer(wrapt.BoundFunctionWrapper[Any, Any]):
@@ -220,31 +189,16 @@ def _inherited(owner: type, attribute: str, original: Any) -> Any:
 
 def _drop_dispatch(owner: object, attribute: str) -> None:
     """Delete a dispatch of :func:`_inherited` left in ``owner``'s own namespace, so the method is
-    inherited again. It is left there when two layers stacked on an inherited method are removed
-    inner first: wrapt splices the inner one out, and the outer one then restores what it wrapped."""
+    inherited again: taking the layer off puts back what it wrapped, which is the dispatch."""
     if isinstance(owner, type) and getattr(vars(owner).get(attribute), _DISPATCH_ATTRIBUTE, False):
         delattr(owner, attribute)
 
 
-def install(
-    module: object,
-    path: str,
-    name: str,
-    wrapper: Callable[..., Any],
-    switch: Switch,
-    assign: bool = False,
-    shared: bool = False,
-) -> Any:
-    """Wrap ``module.path`` with ``wrapper``, marked as patch ``name``; returns the handle.
-    ``assign``: ``wrapper(instance, value)`` is given each value assigned to an instance attribute
-    and returns the value to store (:class:`AssignmentLayer`). ``shared``: the layer answers to a
-    :class:`SharedSwitch` that ``name`` joins, and other patches may join (:func:`join_shared`)."""
-    if shared:
-        joint = SharedSwitch()
-        joint.join(name, switch)
-        switch = joint
+def install(module: object, path: str, parts: Parts, assign: bool = False) -> Any:
+    """Put a layer running ``parts`` in ``module.path``; returns it. ``assign``: the target is an
+    attribute instances are assigned, and the layer an :class:`~shim.assigning.AssignmentLayer`."""
     if assign:
-        return assigning.install(module, path, name, wrapper, switch)
+        return assigning.install(module, path, parts)
     parent, attribute, _original = wrapt.resolve_path(module, path)
     owner = parent if isinstance(parent, type) else None
     inherited = owner is not None and attribute not in vars(owner)
@@ -256,31 +210,25 @@ def install(
 
     def factory(original: Any) -> Any:
         target = _inherited(owner, attribute, original) if owner and inherited and callable(original) else original
-        layer = layer_class(target, wrapper, enabled=switch)
-        setattr(layer, _PATCH_ATTRIBUTE, name)
-        setattr(layer, _SWITCH_ATTRIBUTE, switch)
+        layer = layer_class(target, parts)
+        setattr(layer, _PARTS_ATTRIBUTE, parts)
         return layer
 
     return wrapt.wrap_object(module, path, factory)  # type: ignore[arg-type]  # a factory of one argument
 
 
-def remove(module: object, path: str, handle: object, name: str) -> str | None:
-    """Take patch ``name``'s layer off, whatever sits above it; returns a reason when it cannot be
-    removed. A shared layer loses ``name`` as a member and comes off with its last one."""
-    switch = object.__getattribute__(handle, _SWITCH_ATTRIBUTE)
-    if isinstance(switch, SharedSwitch):
-        switch.leave(name)
-        if switch.members:
+def remove(module: object, path: str, layer: object) -> str | None:
+    """Take ``layer`` off its target, whatever sits above it; returns a reason when it cannot be
+    removed (it then stays, a pass-through with no part, until a patch joins it again)."""
+    if type(layer) is assigning.AssignmentLayer:
+        if assigning.remove(layer) or not wrapt.is_wrapped_by(getattr(layer.owner, layer.attribute, None), layer):
             return None
-    if type(handle) is AssignmentLayer:
-        if assigning.remove(handle) or not wrapt.is_wrapped_by(getattr(handle.owner, handle.attribute, None), handle):
-            return None
-        return f"{handle!r} is under another descriptor of {handle.owner.__qualname__}.{handle.attribute}"
+        return f"{layer!r} is under another descriptor of {layer.owner.__qualname__}.{layer.attribute}"
     try:
-        wrapt.unwrap_object(module, path, handle, missing_ok=True)
+        wrapt.unwrap_object(module, path, layer, missing_ok=True)
     except wrapt.WrapperNotOutermostError as exc:
         # A non-wrapt wrapper (e.g. a functools.wraps closure) holds ours: it cannot be spliced
-        # out, so it stays in place switched off, which makes it a plain pass-through.
+        # out, so it stays in place with no part, a plain pass-through.
         return str(exc)
     try:
         parent, attribute, _current = wrapt.resolve_path(module, path)

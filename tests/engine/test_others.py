@@ -81,27 +81,41 @@ def test_a_same_fix_is_declared_on_a_class_attribute():
         make_patch("demo_pkg", same_fix=("json:JSONEncoder.default",))
 
 
-def test_a_lookout_target_looks_at_its_first_call_per_instance_while_its_patch_is_on(fake_modules, monkeypatch, caplog):
+def calls_into_others(action):
+    """How many calls of code in ``shim/others.py`` ``action()`` makes."""
+    import os
+
+    import shim.others
+
+    counted = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == os.path.abspath(shim.others.__file__):
+            counted.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return counted
+
+
+def test_other_patchers_are_named_when_asked_never_while_patches_apply(fake_modules, monkeypatch, caplog):
+    """Applying a patch, switching it and calling its targets never look for other patchers; a
+    status does, and an apply does while the ``shim`` logger shows DEBUG (``SHIM_LOG_LEVEL=DEBUG``)."""
     from shim import others
 
-    pkg = fake_modules(target=TARGET + "\n\nclass Model:\n    def enable(self):\n        return 'enabled'\n")
+    pkg = fake_modules(target=TARGET, more=TARGET)
     module = importlib.import_module(f"{pkg}.target")
     watched = Patch(
         name="watched",
         summary="demo",
         distribution=pkg,
         requires=">=1.0",
-        targets=(Target(f"{pkg}.target:f", tagging("watched")),),
+        targets=(Target(f"{pkg}.target:f", tagging("watched")), Target(f"{pkg}.more:f", tagging("watched"))),
     )
-    looking = Patch(
-        name="looking",
-        summary="demo",
-        distribution=pkg,
-        requires=">=1.0",
-        targets=(Target(f"{pkg}.target:Model.enable", tagging("looking"), lookout=True),),
-    )
-    registry = Registry([watched, looking])
-    registry.activate()
+    registry = Registry([watched])
 
     def replaced_by_hand(wrapped):  # another patcher wraps the shim's layer by hand, after it applied
         def f(x):
@@ -109,22 +123,28 @@ def test_a_lookout_target_looks_at_its_first_call_per_instance_while_its_patch_i
 
         return f
 
-    module.f = replaced_by_hand(module.f)  # calls the layer: "above", said at INFO
+    def run():
+        registry.activate()
+        module.f = replaced_by_hand(module.f)
+        assert module.f(1) == ("watched", 1)
+        with registry.disabled("watched"):
+            assert module.f(1) == 1
+
     monkeypatch.setattr(others, "_seen", set())
-
-    def said():
-        return [r.getMessage() for r in caplog.records if "is wrapped again by" in r.getMessage()]
-
     with caplog.at_level(logging.INFO, logger="shim"):
-        with registry.disabled("looking"):
-            module.Model().enable()  # the lookout's patch is off: nothing looks
-        assert said() == []
-        model = module.Model()
-        assert model.enable() == ("looking", "enabled")
-        assert len(said()) == 1 and said()[0].startswith(f"watched: {pkg}.target:f is wrapped again by ")
-        monkeypatch.setattr(others, "_seen", set())
-        model.enable()  # the same instance: looked already
-        assert said() == [said()[0]]
-        module.Model().enable()  # a new instance: looks again (each new patcher is said once)
-        assert len(said()) == 2
+        assert calls_into_others(run) == []
+        assert calls_into_others(lambda: importlib.import_module(f"{pkg}.more")) == []  # applied there too
+        assert not [r for r in caplog.records if "is wrapped again by" in r.getMessage()]
+        [record] = [s for s in registry.status() if s.name == "watched"]
+    assert [o["relation"] for o in record.others] == ["above"]
+    said = [r.getMessage() for r in caplog.records if "is wrapped again by" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"watched: {pkg}.target:f is wrapped again by ")
+    registry.deactivate()
+
+    monkeypatch.setattr(others, "_seen", set())
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="shim"):
+        registry.activate()  # wraps f again, under the hand-written wrapper: said at once, as asked
+    said = [r.getMessage() for r in caplog.records if "replaced_by_hand" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
     registry.deactivate()

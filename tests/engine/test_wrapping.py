@@ -205,19 +205,25 @@ def test_deactivate_takes_the_layer_off_the_class_a_reload_left_behind(fake_modu
     assert shim_layers(vars(module.Model)["f"]) == [] and module.Model().f(1) == 1
 
 
-# -- a target shared by several patches (Target(..., shared=True)) ------------------------------------
+# -- several patches on one target: one layer, their parts in one order ---------------------------------
 
 
-def shared_patches(pkg, wrapper, names=("first", "second"), assign=False):
-    """Patches ``names``, each declaring the same shared target with the same ``wrapper``."""
+def patches_on_one_target(pkg, wrappers, assign=False):
+    """A patch per ``name: wrapper`` of ``wrappers``, each with a target on the same attribute."""
     path = f"{pkg}.target:Layer.slot" if assign else f"{pkg}.target:f"
-    target = shim.Target(path, wrapper, assign=assign, shared=True)
     return [
-        shim.Patch(name=name, summary="demo", distribution=pkg, requires=">=1.0", targets=(target,)) for name in names
+        shim.Patch(
+            name=name,
+            summary="demo",
+            distribution=pkg,
+            requires=">=1.0",
+            targets=(shim.Target(path, w, assign=assign),),
+        )
+        for name, w in wrappers.items()
     ]
 
 
-SHARED_TARGET = (
+ONE_TARGET = (
     TARGET
     + """
 class Layer:
@@ -227,70 +233,72 @@ class Layer:
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["function", "assign"])
-def test_patches_sharing_a_target_share_one_layer_on_while_any_of_them_is(fake_modules, assign):
-    pkg = fake_modules(target=SHARED_TARGET)
+def test_patches_on_one_target_share_one_layer_each_part_on_while_its_patch_is(fake_modules, assign):
+    pkg = fake_modules(target=ONE_TARGET)
     module = importlib.import_module(f"{pkg}.target")
-    runs = []
 
-    def wrapper(*args):
-        runs.append(args)
+    def part(name):
         if assign:
-            return args[1] * 2
-        wrapped, _instance, call_args, kwargs = args
-        return ("shared", wrapped(*call_args, **kwargs))
+            return lambda instance, value: [*value, name]
+        return tagging(name)
 
     def call():
-        runs.clear()
         if assign:
             layer = module.Layer()
-            layer.slot = 3
+            layer.slot = []
             return layer.slot
         return module.f(3)
 
-    on = 6 if assign else ("shared", 3)
-    registry = Registry(shared_patches(pkg, wrapper, assign=assign))
+    registry = Registry(patches_on_one_target(pkg, {"first": part("first"), "second": part("second")}, assign))
     registry.activate()
     target = f"{pkg}.target:Layer.slot" if assign else f"{pkg}.target:f"
     layers = shim.wrappers(target)
-    assert [name for name, _layer in layers] == ["first", "second"], registry.status()
+    assert [name for name, _layer in layers] == ["second", "first"], registry.status()  # registered later: outside
     assert layers[0][1] is layers[1][1], "one layer for both"
-    assert call() == on and len(runs) == 1, "the shared wrapper runs once"
+    both = ["second", "first"] if assign else ("second", ("first", 3))
+    assert call() == both
     registry.disable("first")
-    assert call() == on, "on while either patch is on"
+    assert call() == (["second"] if assign else ("second", 3)), "each part follows its own patch's switch"
     registry.disable("second")
-    assert call() == 3 and runs == []
+    assert call() == ([] if assign else 3)
     registry.enable("first")
-    assert call() == on
+    assert call() == (["first"] if assign else ("first", 3))
     registry.deactivate()
-    assert shim.wrappers(target) == [] and call() == 3 and runs == []
+    assert shim.wrappers(target) == [] and call() == ([] if assign else 3)
     registry.activate()  # "second" stays off: shim.disable() outlives a deactivation
-    assert call() == on and [name for name, _layer in shim.wrappers(target)] == ["first"]
+    assert call() == (["first"] if assign else ("first", 3))
+    assert [name for name, _layer in shim.wrappers(target)] == ["first"]
 
 
-def test_a_shared_layer_stays_while_one_of_its_patches_is_applied(fake_modules):
-    pkg = fake_modules(target=SHARED_TARGET)
+def test_one_layer_stays_while_one_of_its_patches_is_applied(fake_modules):
+    pkg = fake_modules(target=ONE_TARGET)
     module = importlib.import_module(f"{pkg}.target")
-    patches = shared_patches(pkg, tagging("shared"))
+    patches = patches_on_one_target(pkg, {"first": tagging("first"), "second": tagging("second")})
     first, second = Registry(patches[:1]), Registry(patches[1:])
     first.activate()
     second.activate()
     (layer,) = {id(layer) for _name, layer in shim.wrappers(module.f)}
-    assert [name for name, _layer in shim.wrappers(module.f)] == ["first", "second"]
+    assert sorted(name for name, _layer in shim.wrappers(module.f)) == ["first", "second"]
     first.deactivate()
     assert [name for name, _layer in shim.wrappers(module.f)] == ["second"]
-    assert module.f(3) == ("shared", 3)
+    assert module.f(3) == ("second", 3)
     second.deactivate()
     assert shim.wrappers(module.f) == [] and module.f(3) == 3
 
 
-def test_a_shared_target_with_another_wrapper_stacks_as_usual(fake_modules):
-    pkg = fake_modules(target=SHARED_TARGET)
+def test_a_switch_that_flips_changes_the_parts_a_call_runs_once_not_per_call(fake_modules):
+    """The layer keeps the wrappers of the parts that act now; flipping a switch recomputes them.
+    A call reads that list and runs it: no switch is read per call."""
+    from shim.wrapping import parts_of
+
+    pkg = fake_modules(target=ONE_TARGET)
     module = importlib.import_module(f"{pkg}.target")
-    first = shared_patches(pkg, tagging("one"), names=("first",))
-    second = shared_patches(pkg, tagging("two"), names=("second",))
-    registry = Registry(first + second)
+    registry = Registry(patches_on_one_target(pkg, {"first": tagging("first"), "second": tagging("second")}))
     registry.activate()
-    assert len({id(layer) for _name, layer in shim.wrappers(module.f)}) == 2
-    assert module.f(3) in (("one", ("two", 3)), ("two", ("one", 3)))
+    parts = parts_of(shim.wrappers(module.f)[0][1])
+    assert len(parts.active) == 2
+    with registry.disabled("second"):
+        assert len(parts.active) == 1
+        assert module.f(3) == ("first", 3)
+    assert len(parts.active) == 2
     registry.deactivate()
-    assert module.f(3) == 3

@@ -826,11 +826,11 @@ print("ok")
 
 
 def test_an_enable_passes_each_layer_through_the_path_once():
-    """One place: an enable gives each layer its function once through one shared layer on the slot
-    (however many patches have a step there), and which steps apply is decided once for the
-    function every layer gets; the enable path carries one shim layer (checkpointing-restore's
-    capture), not one per fix (on the last release before this path, three fixes each stacked the
-    same installer there, and the cycle cost 1.6x upstream's)."""
+    """One place: an enable gives each layer its function once through the engine's one layer on
+    the slot (however many patches have a step there: each is a part of it), and whether each step
+    applies is decided once for the function every layer gets; the enable path carries one shim
+    layer (checkpointing-restore's capture), not one per fix (on the last release before this path,
+    three fixes each stacked the same installer there, and the cycle cost 1.6x upstream's)."""
     from shim.wrapping import patch_names_of
 
     model = tiny_llama(4)
@@ -844,7 +844,7 @@ def test_an_enable_passes_each_layer_through_the_path_once():
     for target in (SLOT, SETSTATE):
         sharing = shim.wrappers(target)
         assert sorted(name for name, _layer in sharing) == sorted(on_the_path)
-        assert len({id(layer) for _name, layer in sharing}) == 1, "one layer, shared"
+        assert len({id(layer) for _name, layer in sharing}) == 1, "one layer, whatever the number of patches"
 
     calls = collections.Counter()
     roots = tuple(os.path.dirname(path) + os.sep for path in (shim.__file__, shim.patches.__file__))
@@ -860,7 +860,8 @@ def test_an_enable_passes_each_layer_through_the_path_once():
     finally:
         sys.setprofile(None)
     assert calls[("assigning.py", "__set__")] == 4, calls  # one pass per layer
-    assert calls[("_checkpoint_path.py", "_given")] == 4, calls
-    assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 1, calls  # decided once, shared
+    assert calls[("parts.py", "assigned")] == 4, calls  # through the parts, in one frame
+    # decided once per step for the function every layer gets, and shared: the two reentrant steps apply
+    assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 2, calls
     steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))
     assert steps_asked <= len(on_the_path), calls

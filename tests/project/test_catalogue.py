@@ -28,7 +28,7 @@ def test_the_index_is_generated_from_each_patch_modules_declaration():
         patch = importlib.import_module(f"shim.patches.{row['module']}").PATCH
         declared = dict(
             name=patch.name, distribution=patch.distribution, requires=patch.requires, modules=patch.modules
-        )
+        ) | ({"place": patch.place} if patch.place else {})
         assert {k: v for k, v in row.items() if k != "module"} == declared, row["module"]
     assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row["name"] for row in catalogue.INDEX)
     # The index block is exactly what the generator writes (python -m shim.patches --write).
@@ -38,7 +38,9 @@ def test_the_index_is_generated_from_each_patch_modules_declaration():
     assert result.returncode == 0, result.stderr
 
 
-def test_patches_that_wrap_the_same_target_declare_their_stacking_order():
+def test_patches_on_one_target_run_in_the_order_of_the_index():
+    """However many patches wrap a target, the engine's one layer there runs their parts in the
+    catalogue's one order: ``shim.wrappers`` lists them outermost first, the index innermost first."""
     from shim.catalogue import declared
 
     patches = declared()
@@ -46,17 +48,26 @@ def test_patches_that_wrap_the_same_target_declare_their_stacking_order():
     by_target: dict = {}
     for patch in patches:
         for target in patch.targets:
-            # Patches that declare a shared target with the same wrapper share one layer: no stacking.
-            key = (target.spec, target.wrapper) if target.shared else (target.spec, patch.name)
-            by_target.setdefault(target.spec, {}).setdefault(key, patch)
-    stacked_targets = {spec: list(layers.values()) for spec, layers in by_target.items() if len(layers) > 1}
-    assert stacked_targets, "the catalogue has stacked patches; this test must see them"
-    for spec, stacked in stacked_targets.items():
-        for inner, outer in zip(stacked, stacked[1:]):
-            assert inner.name in outer.after or outer.name in inner.after, (
-                f"{inner.name} and {outer.name} both wrap {spec}: one must name the other in after="
-            )
-            assert order.index(inner.name) < order.index(outer.name)
+            by_target.setdefault(target.spec, []).append(patch.name)
+    shared = {spec: names for spec, names in by_target.items() if len(names) > 1}
+    assert len(shared) >= 4, "the catalogue has targets several patches wrap; this test must see them"
+    for spec, names in shared.items():
+        assert names == sorted(names, key=order.index), spec  # declared() lists them in the index's order
+        listed = [name for name, _layer in shim.wrappers(spec)]
+        if listed:  # its module is imported and the patches apply here
+            assert listed == sorted(listed, key=order.index, reverse=True), spec
+            assert len({id(layer) for _name, layer in shim.wrappers(spec)}) == 1, spec
+
+
+def test_finds_layer_acts_last_on_the_checkpointing_path_by_its_place():
+    """``checkpoint-function-finds-layer`` hands over last because it says so (``place="innermost"``),
+    not by naming the steps before it: a step added later without naming it still acts before it."""
+    from shim.catalogue import declared
+
+    by_name = {patch.name: patch for patch in declared()}
+    assert by_name["checkpoint-function-finds-layer"].place == "innermost"
+    assert by_name["checkpoint-function-finds-layer"].after == ()
+    assert [row["name"] for row in catalogue.INDEX][0] == "checkpoint-function-finds-layer"
 
 
 def test_the_stacking_order_follows_after_and_refuses_cycles():

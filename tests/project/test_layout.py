@@ -88,24 +88,27 @@ def test_the_engine_never_imports_the_tools_nor_the_self_checks():
 ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
-    "shim.patch": {"shim.settings"},  # a patch's declaration
+    "shim.order": set(),  # the one order of the parts on a target: Patch.after, Patch.place
+    "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
-    "shim.assigning": {"shim.runtime"},  # an assign target's layer
-    "shim.wrapping": {"shim.assigning", "shim.runtime"},  # a layer in one target
+    "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
+    "shim.assigning": {"shim.parts"},  # an assign target's layer
+    "shim.wrapping": {"shim.assigning", "shim.parts"},  # the layer in one target
     "shim.rebinding": set(),  # consumers' copies of a target
-    "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.runtime", "shim.patch"},  # what one patch installed
-    "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, and when to look
+    "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.parts", "shim.runtime", "shim.patch"},  # one patch's parts
+    "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, named when asked
     "shim.gating": {"shim.wrapping", "shim.assigning", "shim.layers", "shim.patch"},  # whether a patch applies
     "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
     "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch"},
-    "shim.catalogue": {"shim.patch", "shim.settings"},  # the built-in patches' index
-    "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings"},  # other distributions' patches (entry points)
+    "shim.catalogue": {"shim.patch", "shim.settings", "shim.order"},  # the built-in patches' index
+    "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings", "shim.order"},  # other distributions' patches
     "shim.registry": {
         "shim.entry",
         "shim.records",
         "shim.others",
         "shim.importhooks",
+        "shim.order",
         "shim.forks",
         "shim.runtime",
         "shim.patch",
@@ -141,7 +144,7 @@ def test_the_rooms_drawing_is_the_import_graph():
     text = (ROOT / "docs" / "how-it-works.md").read_text()
     drawing = text.split("### The engine's rooms", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
     drawn = set(re.findall(r"^\s*(\w+) --> (\w+)$", drawing, re.MULTILINE))
-    leaves = {"patch", "settings"}
+    leaves = {"patch", "settings", "order"}
     graph = engine_graph()
     real = {
         (room.removeprefix("shim."), imported.removeprefix("shim."))

@@ -1,0 +1,140 @@
+"""The one order of the parts on a target: declared by the patches, checked where the catalogue is
+built, never discovered inside a user's call.
+
+Where several patches wrap one target, the engine puts one layer there (``shim.parts``) and runs
+their parts in this order on every call, the outermost first and the innermost last, next to
+upstream: a function's wrappers call each other inward; an assign target's value passes outermost
+first; the checkpointing path's steps act on a call in the same order. A patch places itself with
+
+- ``Patch.after``: the patches whose parts its own sit outside of (it runs before them on a call);
+- ``Patch.place``: ``"innermost"`` or ``"outermost"``, for a part that must sit there whoever else
+  is on the target, without naming them (as pluggy's ``tryfirst``/``trylast``); ``""`` in between.
+
+Each place holds the built-ins first, then the patch packs and patches given to ``shim.register()``,
+in the order they register. The order is checked where it is declared: an unknown name, a cycle or
+an ``after`` that contradicts a ``place`` is an error when ``python -m shim.patches --write``
+generates the built-ins' index (which lists them in this order), and a ``ValueError`` from
+``Registry.register`` for a pack or a patch of your own (a pack is then left out with a warning).
+
+Loaded by ``import shim`` (a registered patch's rank is two integers); nothing here imports
+``packaging`` or a patch module.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from typing import Protocol, TypeVar
+
+#: Where a patch's parts can sit among the others on a target, innermost (next to upstream) first.
+PLACES = ("innermost", "", "outermost")
+
+
+class OrderError(ValueError):
+    """An order that cannot hold: an unknown name, a cycle, an ``after`` against a ``place``."""
+
+
+class Ordered(Protocol):
+    """A patch as the order sees it; its ``after`` is read with :func:`after_of` (a built-in's
+    listing has none: the index already lists it in place)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def place(self) -> str: ...
+
+
+T = TypeVar("T", bound=Ordered)
+
+
+def rank(place: str, sequence: int) -> tuple[int, int]:
+    """The sort key of a registered patch's parts: its place, then when it registered."""
+    return PLACES.index(place), sequence
+
+
+def _shown(place: str) -> str:
+    return repr(place) if place else "in between"
+
+
+def after_of(declared: object) -> tuple[str, ...]:
+    """The names a registered patch is declared after (a built-in's listing has them in its place)."""
+    after = getattr(declared, "after", ())
+    return after if isinstance(after, tuple) else ()
+
+
+def arrange(patches: Sequence[T]) -> list[T]:
+    """``patches`` in the order given, each moved after the patches its ``after`` names among them
+    (an unknown name or a cycle is left for :func:`check_after` to say)."""
+    position = {patch.name: index for index, patch in enumerate(patches)}
+    waiting = {p.name: {n for n in after_of(p) if n in position and n != p.name} for p in patches}
+    ready = [index for index, p in enumerate(patches) if not waiting[p.name]]
+    heapq.heapify(ready)
+    ordered: list[T] = []
+    while ready:
+        patch = patches[heapq.heappop(ready)]
+        ordered.append(patch)
+        for other, names in waiting.items():
+            if patch.name in names:
+                names.discard(patch.name)
+                if not names:
+                    heapq.heappush(ready, position[other])
+    return ordered + [p for p in patches if p not in ordered]
+
+
+def check_after(patch: Ordered, placed: Mapping[str, str]) -> None:
+    """Whether ``patch`` can sit outside every patch its ``after`` names, among the patches already
+    ``placed`` (name -> place); raises :class:`OrderError` naming the problem and the fix."""
+    for name in after_of(patch):
+        if name not in placed:
+            raise OrderError(
+                f"patch {patch.name!r} is declared after {name!r}, which is not registered before it "
+                f"(register {name!r} first, or take it out of after=)"
+            )
+        if PLACES.index(placed[name]) > PLACES.index(patch.place):
+            raise OrderError(
+                f"patch {patch.name!r} ({_shown(patch.place)}) is declared after {name!r} "
+                f"({_shown(placed[name])}), which sits outside it: drop one of the two declarations"
+            )
+
+
+def stacking_order(patches: Sequence[T]) -> list[T]:
+    """The built-in ``patches`` innermost first, as their index lists them: by place, each after the
+    patches its ``after`` names, ties by name. Raises :class:`OrderError` for an unknown name, a
+    cycle, or an ``after`` against a ``place``."""
+    by_name = {patch.name: patch for patch in patches}
+    inside: dict[str, set[str]] = {}
+    for patch in patches:
+        unknown = [name for name in after_of(patch) if name not in by_name]
+        if unknown:
+            raise OrderError(f"patch {patch.name!r} is declared after {unknown[0]!r}, which is no built-in patch")
+        named = {name for name in after_of(patch) if name in by_name}
+        for name in named:
+            if PLACES.index(by_name[name].place) > PLACES.index(patch.place):
+                check_after(patch, {name: by_name[name].place})  # raises, naming both
+        inside[patch.name] = named
+    waiting = {name: set(names) for name, names in inside.items()}
+    ready = [(PLACES.index(p.place), p.name) for p in patches if not waiting[p.name]]
+    heapq.heapify(ready)
+    ordered: list[T] = []
+    while ready:
+        _place, name = heapq.heappop(ready)
+        ordered.append(by_name[name])
+        for other, names in waiting.items():
+            if name in names:
+                names.discard(name)
+                if not names:
+                    heapq.heappush(ready, (PLACES.index(by_name[other].place), other))
+    if len(ordered) < len(patches):
+        raise OrderError(f"the after= declarations form a cycle: {' -> '.join(_cycle(waiting))}")
+    return sorted(ordered, key=lambda patch: PLACES.index(patch.place))  # a stable sort: topology kept
+
+
+def _cycle(waiting: Mapping[str, set[str]]) -> list[str]:
+    """One cycle among the patches still ``waiting`` (name -> the names it waits for)."""
+    name = next(name for name, names in waiting.items() if names)
+    path: list[str] = []
+    while name not in path:
+        path.append(name)
+        name = sorted(waiting[name])[0]
+    return [*path[path.index(name) :], name]
