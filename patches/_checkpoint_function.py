@@ -92,6 +92,8 @@ class LayerCheckpoint(_partial):
     with fewer steps, kept alive so that the next layer given ``given`` finds the same objects).
     """
 
+    __slots__ = ("given", "steps", "made_from")
+
     def __call__(self, function, *args, **options):
         if type(function) is _partial:  # the call shape the probe checked
             layer = None

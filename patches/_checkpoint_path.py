@@ -39,10 +39,10 @@ from shim import Target, switch_of
 from ._checkpoint_function import LayerCheckpoint, layer_checkpoint, layer_of
 
 ATTRIBUTE = "_gradient_checkpointing_func"
+_DECIDED = 64  # a part's remembered decisions, before the dead ones are dropped
 SLOT = f"transformers.modeling_layers:GradientCheckpointingLayer.{ATTRIBUTE}"
 SETSTATE = "transformers.modeling_layers:GradientCheckpointingLayer.__setstate__"
 _MISSING = object()
-_APPLIES_NOT = object()  # a decision: the step does not apply to that function
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,14 @@ class Step:
     ``act(layer, function, args)``: per checkpointed call of such a layer (``function`` the
     partial the layer hands over, ``args`` the checkpoint's inputs), ``None`` to leave the call
     as it is, or the ``(function, args)`` to hand the checkpoint instead; the next step sees them.
-    ``given(layer, function)``: told each time a layer is given a callable.
+    ``given(layer, function)``: told each time a layer is given a callable; returns it. A step that
+    has no ``act`` is its ``given`` on the slot (one call per layer and assignment, nothing more).
     """
 
     name: str
     applies: Callable[[Any], bool] | None = None
     act: Callable[[Any, Any, tuple], tuple | None] | None = None
-    given: Callable[[Any, Any], None] | None = None
+    given: Callable[[Any, Any], Any] | None = None
 
 
 def targets(step: Step, probe=None) -> tuple[Target, Target]:
@@ -70,60 +71,69 @@ def targets(step: Step, probe=None) -> tuple[Target, Target]:
 
 
 def _part(step: Step):
-    """``step``'s part on the slot: what a layer holds when it is given ``value``."""
-    switch = []  # the patch's switch, found at the first assignment (the part exists before its patch is registered)
+    """``step``'s part on the slot: what a layer holds when it is given ``value``. It runs for every
+    layer at every enable and disable, so the usual case (the function the first layer was given)
+    is one lookup: what ``value`` becomes with the step is decided once per object, remembered
+    while it lives."""
+    told = step.given
+    if step.act is None:
+        return told
+    # id(value) -> (a weak reference to it, to what it becomes, or None: itself); an entry whose value
+    # is gone is dropped later, and never matches another object at that address
+    decided: dict[int, tuple[weakref.ref, Any]] = {}
+    switch: list = []  # the patch's switch, found at the first decision (a part is made before its patch registers)
 
     def given(layer, value):
-        if step.given is not None:
-            step.given(layer, value)
-        if step.act is None:
-            return value
+        if told is not None:
+            told(layer, value)
+        found = decided.get(id(value))
+        if found is not None and found[0]() is value:
+            if found[1] is None:
+                return value
+            made = found[1]()
+            if made is not None:
+                return made
         if not switch:
             switch.append(switch_of(step.name))
-        return with_step(value, step, switch[0])
+        return _decide(step, switch[0], value, decided)
 
-    given.__qualname__ = given.__name__ = f"given_{step.name.replace('-', '_')}"
     return given
 
 
-# (id(value), step name) -> (a weak reference to value, a weak reference to what value becomes with the
-# step, or _APPLIES_NOT): found again only for the same object; an entry goes with its value.
-_decided: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}
-
-
-def with_step(value, step: Step, switch):
-    """``value`` with ``step``: a ``LayerCheckpoint`` of the function it is (or it stands for) whose
-    steps end with ``step``, or ``value`` itself where the step does not apply or is there already."""
+def _decide(step: Step, switch, value, decided: dict):
+    """``value`` with ``step``: a ``LayerCheckpoint`` of the function it is (or stands for) whose
+    steps end with ``step``, or ``value`` itself where the step does not apply or holds it already
+    (a layer given what another layer holds); remembered in ``decided`` while ``value`` lives."""
     if type(value) is LayerCheckpoint:
-        if any(act is step.act for _switch, act in value.steps):
-            return value  # a layer given what another layer holds, or given its function again
         function, steps = value.given, value.steps
-    elif callable(value) and not _is_mock(value):
-        function, steps = value, ()
+        applies = all(act is not step.act for _switch, act in steps) and step.applies(function)
     else:
-        return value
-    key = (id(value), step.name)
-    found = _decided.get(key)
-    if found is not None and found[0]() is value:
-        if found[1] is _APPLIES_NOT:
-            return value
-        made = found[1]()
-        if made is not None:
-            return made  # the usual case: the function an enable hands every layer, after the first
-    applies = step.applies(function)
+        function, steps = value, ()
+        applies = callable(value) and not _is_mock(value) and step.applies(function)
     made = layer_checkpoint(function, (*steps, (switch, step.act)), value) if applies else value
     try:
-        reference = weakref.ref(value, functools.partial(_forget, key))
+        reference = weakref.ref(value)
     except TypeError:  # an object without weak references is decided again at each assignment
         return made
-    _decided[key] = (reference, weakref.ref(made) if applies else _APPLIES_NOT)
+    if len(decided) >= _DECIDED:  # each enable hands the layers a new function: forget the dead ones
+        for key in [key for key, (ref, _made) in decided.items() if ref() is None]:
+            del decided[key]
+    key = id(value)
+    if not applies:
+        decided[key] = (reference, None)
+    elif type(function) is not functools.partial and _module_level(function):
+        # A module's own function (torch's checkpoint, which every disable hands the layers) holds no
+        # model: what it becomes is kept, not made again at every disable.
+        decided[key] = (reference, lambda: made)
+    else:
+        decided[key] = (reference, weakref.ref(made))
     return made
 
 
-def _forget(key, reference: weakref.ref) -> None:
-    found = _decided.get(key)
-    if found is not None and found[0] is reference:  # not a newer entry for an object now at that address
-        del _decided[key]
+def _module_level(function) -> bool:
+    """Whether ``function`` is what its module holds under its name (it lives as long as the module)."""
+    module = sys.modules.get(getattr(function, "__module__", None) or "")
+    return module is not None and getattr(module, getattr(function, "__name__", ""), None) is function
 
 
 def _is_mock(value) -> bool:

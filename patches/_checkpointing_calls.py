@@ -1,6 +1,7 @@
 """Calling a model's checkpointing enable and disable the way its own class expects: the
-``activation_checkpointing_*`` names where the class has them (so that no ``FutureWarning`` of
-ours appears on transformers >= 5.23), and the configuration passed as the signature takes it.
+``activation_checkpointing_*`` names where the class has them (so that the shim's own calls raise no
+``FutureWarning`` on transformers >= 5.23), or the names a caller the shim stands in for used
+(:data:`TRL`), and the configuration passed as the signature takes it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ _MISSING = object()
 
 ENABLE = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 DISABLE = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
+#: What trl's ``disable_gradient_checkpointing`` calls: the old names, with their FutureWarnings.
+TRL = ("gradient_checkpointing_enable",)
 KWARGS_NAME = {
     "activation_checkpointing_enable": "activation_checkpointing_kwargs",
     "gradient_checkpointing_enable": "gradient_checkpointing_kwargs",
@@ -28,7 +31,7 @@ def is_checkpointing(model) -> bool:
     return bool(value)
 
 
-def method(model, names: tuple[str, str]):
+def method(model, names: tuple[str, ...]):
     """The bound method the model's own class defines, new name first; for objects that only
     delegate (``__getattr__``), whichever of the two names resolves, new name first."""
     for name in names:
@@ -97,13 +100,14 @@ def takes_positional(bound) -> bool:
     return accepts(bound, "*") == "positional"
 
 
-def enable(model, checkpoint_kwargs) -> None:
-    """Re-enable checkpointing with ``checkpoint_kwargs`` on whatever signature the model has.
+def enable(model, checkpoint_kwargs, names: tuple[str, ...] = ENABLE) -> None:
+    """Re-enable checkpointing with ``checkpoint_kwargs`` on whatever signature the model has,
+    through the first of ``names`` it has.
 
     ``None`` means "no configuration": the method is called with no arguments at all, which every
     signature accepts (and which ``checkpointing-restore`` answers with the captured configuration).
     """
-    name, bound = method(model, ENABLE)
+    name, bound = method(model, names)
     if checkpoint_kwargs is None:
         bound()
         return

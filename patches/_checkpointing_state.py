@@ -42,21 +42,23 @@ def _class_declares_flag(cls) -> bool:
 
 
 class _Layout:
-    """Where a model's checkpointing modules sit: each with the ``_modules`` dict that holds it
-    and that dict's size, so a module replaced or removed, or one appended beside them (a layer
-    added to the list), is noticed without walking the model again."""
+    """Where a model's checkpointing modules sit: each with the ``_modules`` dict that holds it,
+    and the size of every ``_modules`` dict on the way from the model to them, so a module
+    replaced or removed, or one added on that way (a layer appended to the list, a tower attached
+    to the model), is noticed without walking the model again."""
 
-    __slots__ = ("modules", "places")
+    __slots__ = ("modules", "places", "ways")
 
     def __init__(self) -> None:
         self.modules: list = []
-        self.places: list = []  # (holder dict, key, holder size), or None for the model itself
+        self.places: list = []  # (holder dict, key), or None for the model itself
+        self.ways: list = []  # (a _modules dict on the way to a checkpointing module, its size)
 
     def current(self) -> bool:
         for module, place in zip(self.modules, self.places):
-            if place is not None and (place[0].get(place[1]) is not module or len(place[0]) != place[2]):
+            if place is not None and place[0].get(place[1]) is not module:
                 return False
-        return True
+        return all(len(holder) == size for holder, size in self.ways)
 
 
 class ModelState:
@@ -97,10 +99,11 @@ def _scan(model) -> _Layout:
     transformers' own ``modules()`` and ``hasattr`` walk costs)."""
     layout = _Layout()
     seen = set()
-    stack = [(model, None)]
+    ways: dict = {}  # id(a _modules dict on the way to a checkpointing module) -> (it, its size)
+    stack = [(model, None, ())]  # (module, where it sits, the _modules dicts on the way to it)
     known = _class_can_checkpoint
     while stack:
-        module, place = stack.pop()
+        module, place, way = stack.pop()
         if module is None or id(module) in seen:
             continue
         seen.add(id(module))
@@ -111,10 +114,12 @@ def _scan(model) -> _Layout:
         if declares or "gradient_checkpointing" in state:
             layout.modules.append(module)
             layout.places.append(place)
+            ways.update((id(holder), (holder, len(holder))) for holder in way)
         children = state.get("_modules")
         if children:
-            size = len(children)
-            stack.extend((child, (children, key, size)) for key, child in children.items())
+            inner = (*way, children)
+            stack.extend((child, (children, key), inner) for key, child in children.items())
+    layout.ways = list(ways.values())
     return layout
 
 
@@ -122,19 +127,14 @@ def checkpointing_modules(model) -> list:
     """Every module of ``model`` that can checkpoint, found once and then reused while its
     layout holds (it runs on every disable: trl's generation cycle).
 
-    Limit: a subtree with checkpointing modules attached after the last walk in a place the
-    layout does not watch is found at the next explicit enable (see :func:`forget_layout`).
+    Limit: a checkpointing module attached after the last walk inside a module that held none
+    (off the way from the model to the ones it has) is found once that way changes.
     """
     state = ModelState.of(model)
     layout = state.layout
     if layout is None or not layout.current():
         layout = state.layout = _scan(model)
     return layout.modules
-
-
-def forget_layout(model) -> None:
-    """Walk ``model`` again at its next capture (called on an enable that carries a configuration)."""
-    ModelState.of(model).layout = None
 
 
 def capture(model) -> list:
@@ -164,11 +164,14 @@ def restore(captured: list) -> tuple[int, object]:
     (``MISSING`` if none), which tells what upstream had configured instead.
     """
     changed, replaced = 0, MISSING
+    compared = (MISSING, MISSING, True)  # the last pair compared: an enable gives every module one function
     for module, flag, function in captured:
         differs = module.gradient_checkpointing != flag
         if function is not MISSING:
             current = module.__dict__.get("_gradient_checkpointing_func", MISSING)
-            if not same_function(current, function):
+            if compared[0] is not current or compared[1] is not function:
+                compared = (current, function, same_function(current, function))
+            if not compared[2]:
                 module._gradient_checkpointing_func = function
                 replaced = current if replaced is MISSING else replaced
                 differs = True

@@ -6,8 +6,9 @@ Symptom: ``TypeError`` when checkpointing is switched back on. trl's
 ``activation_checkpointing_enable`` send ``every_n_layers=`` / ``offload=`` to overrides written
 before those parameters existed.
 
-Fix: trl's context manager is replaced by one of the same behaviour that calls enable the way the
-method's signature allows (by keyword, positionally, or with no argument); trainer modules that
+Fix: trl's context manager is replaced by one of the same behaviour, calling the methods trl calls,
+that passes the re-enable's configuration the way the method's signature allows (by keyword,
+positionally, or with no argument); trainer modules that
 imported it early are rebound. Calls to a narrow override leave ``every_n_layers`` / ``offload`` out
 while they hold their defaults; a non-default value it cannot take raises a ``TypeError`` that
 names the override and says to accept ``**kwargs``, never a silent drop.
@@ -26,7 +27,7 @@ import sys
 from shim import Patch, Target, record_effect
 
 from ._arguments import argument
-from ._checkpointing_calls import accepts, disable, enable, is_checkpointing, takes_positional
+from ._checkpointing_calls import TRL, accepts, enable, takes_positional
 
 NAME = "checkpointing-call-signature"
 
@@ -35,14 +36,17 @@ _DEFAULTS = {"every_n_layers": 1, "offload": False}
 
 @contextlib.contextmanager
 def _disable_gradient_checkpointing(model, gradient_checkpointing_kwargs=None):
-    was_enabled = is_checkpointing(model)
+    """trl's context manager, calling what trl calls (the ``gradient_checkpointing_*`` names, with
+    transformers' FutureWarnings from 5.23, as without the shim); only the re-enable's arguments
+    fit the method's signature."""
+    was_enabled = model.is_gradient_checkpointing
     if was_enabled:
-        disable(model)
+        model.gradient_checkpointing_disable()
     try:
         yield
     finally:
         if was_enabled:
-            enable(model, gradient_checkpointing_kwargs)
+            enable(model, gradient_checkpointing_kwargs, TRL)
             _note_trl_call_adapted(model, gradient_checkpointing_kwargs)
 
 

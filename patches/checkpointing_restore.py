@@ -29,7 +29,6 @@ from ._checkpointing_state import (
     capture,
     captured_kwargs,
     describe,
-    forget_layout,
     layer_state,
     replaced_kwargs,
     restore,
@@ -81,11 +80,9 @@ def _restoring_enable(kwargs_name: str):
         explicit = _explicit_layout.get()
         if explicit is None:  # called directly, not through the public method
             explicit = _passes_layout(args, kwargs)
-        if captured is None or not _carries_no_configuration(
+        if captured is not None and _carries_no_configuration(
             argument(args, kwargs, 0, kwargs_name, None), explicit, captured
         ):
-            forget_layout(instance)  # a configuration of the caller's: look at the model afresh next time
-        else:
             changed, replaced = restore(captured)
             if changed:
                 record_effect(

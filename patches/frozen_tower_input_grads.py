@@ -28,6 +28,9 @@ from ._modules import first_trainable
 
 NAME = "frozen-tower-input-grads"
 _PreTrainedModel = None  # bound on first use: the patch module must not import transformers at import time
+# model -> (a weak reference to) its own input embeddings, as last found: an enable of a model whose
+# hooks all sit there (a text-only model) is answered without asking the model again. Weak both ways.
+_own_embeddings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _WhileTrainable:
@@ -94,9 +97,17 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
     handles = instance.__dict__.get("_require_grads_hooks") if instance is not None else None
     if not handles:
         return result
-    own = _input_embeddings(instance)
-    own_hooks = getattr(own, "_forward_hooks", None)
     hooked = [(handle, handle.hooks_dict_ref()) for handle in handles]
+    known = _own_embeddings.get(instance)
+    own = known() if known is not None else None
+    if own is None or any(hooks is not own._forward_hooks for _handle, hooks in hooked):
+        own = _input_embeddings(instance)
+        if own is not None:
+            try:
+                _own_embeddings[instance] = weakref.ref(own)
+            except TypeError:  # a model or module without weak references: asked again next time
+                pass
+    own_hooks = getattr(own, "_forward_hooks", None)
     if all(hooks is own_hooks for _handle, hooks in hooked):  # a text-only model: nothing to walk
         return result
     global _PreTrainedModel

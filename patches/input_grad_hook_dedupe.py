@@ -25,20 +25,23 @@ NAME = "input-grad-hook-dedupe"
 
 def _enable_input_require_grads(wrapped, instance, args, kwargs):
     if instance is not None:
-        held = list(getattr(instance, "_require_grads_hooks", None) or ())
-        single = getattr(instance, "_require_grads_hook", None)
+        state = instance.__dict__  # where upstream keeps them (a missing attribute costs torch's __getattr__)
+        held = list(state.get("_require_grads_hooks") or ())
+        single = state.get("_require_grads_hook")
         if single is not None:
             held.append(single)
-        live = sum(1 for handle in dict.fromkeys(held) if _is_live(handle))
-        for handle in held:
-            handle.remove()  # RemovableHandle.remove() is idempotent
-        if live:
-            record_effect(
-                NAME,
-                "removed %d input-require-grads hook(s) that %s still held before transformers added "
-                "new ones (upstream leaves them registered, one more per checkpointing cycle)",
-                live, type(instance).__name__,
-            )  # fmt: skip
+        if held:
+            held = list(dict.fromkeys(held))  # the single one is the list's first, too
+            live = sum(1 for handle in held if _is_live(handle))
+            for handle in held:
+                handle.remove()  # RemovableHandle.remove() is idempotent
+            if live:
+                record_effect(
+                    NAME,
+                    "removed %d input-require-grads hook(s) that %s still held before transformers added "
+                    "new ones (upstream leaves them registered, one more per checkpointing cycle)",
+                    live, type(instance).__name__,
+                )  # fmt: skip
     return wrapped(*args, **kwargs)
 
 

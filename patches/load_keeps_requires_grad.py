@@ -6,8 +6,10 @@ loaded parameter with ``requires_grad=value.is_floating_point()`` and ignores th
 
 Fix: ``set_param_for_module`` and ``_load_parameter_into_model`` are wrapped; the parameter in the
 slot is noted before the call, and a replacement that came back trainable where the old one was
-frozen is frozen again. Arguments are read by name or position, only the leading three, which every
-signature of the loader shares (a shape probe checks them).
+frozen is frozen again. Where the loader hands over its per-load record (``loading_info``, 5.2x), the
+frozen parameters' names are noted once per load, and a call for any other tensor goes straight to
+upstream. Arguments are read by name or position (a shape probe checks the leading three, which
+every signature of the loader shares).
 
 Limits: only frozen → trainable is undone (trainable → frozen is transformers' intent for integer
 and quantized weights). Buffers, ``_extra_state``, empty slots and DTensors are left to
@@ -63,6 +65,35 @@ def _submodule(model, path: str):
     return module
 
 
+# The load under way: (a weak reference to the model, one to its loading_info, the names of the
+# parameters that were frozen when it started). One load at a time fills the model's slots.
+_load: list = [None, None, frozenset()]
+
+
+def _frozen_at_start(model, info) -> frozenset:
+    """The names of ``model``'s frozen parameters as the load recorded by ``info`` started."""
+    model_ref, info_ref, frozen = _load
+    if model_ref is not None and model_ref() is model and info_ref() is info:
+        return frozen
+    frozen = frozenset(_frozen_names(model))
+    _load[:] = [weakref.ref(model), weakref.ref(info), frozen]
+    return frozen
+
+
+def _frozen_names(model) -> set:
+    """The dotted names of ``model``'s frozen parameters, shared ones under each name (a walk over
+    ``_modules``: a fifth of ``named_parameters()``'s cost, which builds every name)."""
+    frozen = set()
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, parameter in module._parameters.items():
+            if parameter is not None and not parameter.requires_grad:
+                frozen.add(prefix + name)
+        stack.extend((f"{prefix}{name}.", child) for name, child in module._modules.items() if child is not None)
+    return frozen
+
+
 def _load_keeping_frozen(wrapped, args, kwargs, model, dotted_name):
     try:
         module_path, _, attribute = dotted_name.rpartition(".")
@@ -96,6 +127,13 @@ def _count_kept(model) -> None:
 def _set_param_for_module(wrapped, instance, args, kwargs):
     model = argument(args, kwargs, 0, "model")
     target_name = argument(args, kwargs, 1, "target_name")
+    info = argument(args, kwargs, 3, "loading_info", None)
+    if info is not None:
+        try:
+            if target_name not in _frozen_at_start(model, info):
+                return wrapped(*args, **kwargs)  # the usual call: nothing frozen there to keep
+        except TypeError:  # a model or record without weak references: looked at per call
+            pass
     return _load_keeping_frozen(wrapped, args, kwargs, model, target_name)
 
 

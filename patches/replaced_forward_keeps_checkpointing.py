@@ -180,15 +180,16 @@ def _forget(key: int, reference: weakref.ref) -> None:
         del _judged[key]
 
 
-def _given(layer, _function) -> None:
+def _given(layer, function):
     """The step's ``given``: a layer given a function gets a class that checkpoints."""
     cls = type(layer)
     entry = _judged.get(id(cls))
     if entry is not None and entry[1] is not None and entry[0]() is cls:
         judged = entry[1]()
         if judged is not None and judged is cls.__dict__.get("forward", judged):
-            return  # the usual case, inline: on every assignment of a layer's function
+            return function  # the usual case, inline: on every assignment of a layer's function
     _judge(cls)
+    return function
 
 
 STEP = _checkpoint_path.Step(NAME, given=_given)

@@ -9,10 +9,16 @@ function layers. It is a slotted class rather than a wrapt proxy: it is passed o
 the attribute (per layer, per enable and disable) and read on every checkpointed layer call, and a
 proxy's attribute reads made each of those six times dearer. One per target, whatever the number of
 patches with a part there (``shim.parts``).
+
+Where one object is assigned to many instances of a class in a row (an enable gives every layer of a
+model one function), the parts run for the first and the next ones get what it got: the layer
+remembers, weakly, the last value, the class of its instance and what the parts made of them, while
+the same parts are active. A value the layer cannot refer to weakly goes through the parts each time.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import wrapt
@@ -34,11 +40,13 @@ class AssignmentLayer:
     is stored (raising ``AttributeError``, handed on to the class's ``__getattr__``, as when the
     attribute was never set), and never runs a part."""
 
-    __slots__ = ("__wrapped__", "_self_shim_parts", "attribute", "owner")
+    __slots__ = ("__wrapped__", "_self_shim_parts", "attribute", "owner", "last")
 
     def __init__(self, prior: Any, owner: type, attribute: str, parts: Parts) -> None:
         self.__wrapped__ = prior
         self.owner, self.attribute, self._self_shim_parts = owner, attribute, parts
+        # (the active parts, the last value, its instance's class, what the parts made of it): weakly
+        self.last: tuple[Any, ...] | None = None
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -56,12 +64,29 @@ class AssignmentLayer:
         return instance.__dict__[self.attribute]
 
     def __set__(self, instance: Any, value: Any) -> None:
-        value = self._self_shim_parts.assigned(instance, value)
+        active = self._self_shim_parts.active
+        if active:
+            last = self.last
+            made = None
+            if last is not None and last[0] is active and last[1]() is value and last[2]() is type(instance):
+                made = last[3]()  # the usual case: the next layer given the function the first was given
+            value = self._passed(instance, value, active) if made is None else made
         prior = self.__wrapped__
         if prior is not MISSING and hasattr(type(prior), "__set__"):
             prior.__set__(instance, value)
         else:
             instance.__dict__[self.attribute] = value
+
+    def _passed(self, instance: Any, value: Any, active: tuple[Any, ...]) -> Any:
+        """``value`` through the ``active`` parts, outermost first; remembered for the next instance."""
+        given = value
+        for assigned in active:
+            value = assigned(instance, value)
+        try:
+            self.last = (active, weakref.ref(given), weakref.ref(type(instance)), weakref.ref(value))
+        except TypeError:  # a value without weak references: the parts see it each time
+            self.last = None
+        return value
 
     def __delete__(self, instance: Any) -> None:
         prior = self.__wrapped__

@@ -73,13 +73,9 @@ class Parts:
             return wrapped(*args, **kwargs)
         if len(active) == 1:
             return active[0](wrapped, instance, args, kwargs)
-        return active[0](_Inward(active, 1, wrapped, instance), instance, args, kwargs)
-
-    def assigned(self, instance: Any, value: Any) -> Any:
-        """An assign layer's: the value passed through each active part, outermost first."""
-        for assigned in self.active:
-            value = assigned(instance, value)
-        return value
+        inner = _new(_Inward)  # no __init__ frame: it is made on every call through two parts or more
+        inner.active, inner.index, inner.__wrapped__, inner.instance = active, 1, wrapped, instance
+        return active[0](inner, instance, args, kwargs)
 
 
 class _Inward:
@@ -88,13 +84,23 @@ class _Inward:
     of it reads upstream's signature, as it does for the innermost part."""
 
     __slots__ = ("active", "index", "__wrapped__", "instance")
-
-    def __init__(self, active: tuple[Callable[..., Any], ...], index: int, wrapped: Any, instance: Any) -> None:
-        self.active, self.index, self.__wrapped__, self.instance = active, index, wrapped, instance
+    active: tuple[Callable[..., Any], ...]
+    index: int
+    instance: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active, index = self.active, self.index
-        inner = (
-            _Inward(active, index + 1, self.__wrapped__, self.instance) if index + 1 < len(active) else self.__wrapped__
-        )
+        if index + 1 < len(active):
+            inner = _new(_Inward)
+            inner.active, inner.index, inner.__wrapped__, inner.instance = (
+                active,
+                index + 1,
+                self.__wrapped__,
+                self.instance,
+            )
+        else:
+            inner = self.__wrapped__
         return active[index](inner, self.instance, args, kwargs)
+
+
+_new = object.__new__

@@ -99,6 +99,25 @@ def test_transformers_own_function_is_left_as_it_is():
         assert effects.count(NAME) == before
 
 
+@from_5_23
+def test_transformers_offload_function_is_left_as_it_is():
+    """``offload=True`` hands the layers transformers' own offload function (a closure around torch's
+    checkpoint, told by its module and name): the patch must record no effect on it. The day upstream
+    moves it (huggingface/transformers#48461, activation offload), this fails rather than the patch
+    acting on upstream's own function. (A step acts only through a ``LayerCheckpoint``; the layers
+    hold none. The forward itself needs pinned memory, which only an accelerator has.)"""
+    model = frozen_first_layer_llama()
+    before = effects.count(NAME)
+    model.activation_checkpointing_enable({"use_reentrant": False}, offload=True)
+    functions = {
+        id(layer._gradient_checkpointing_func): layer._gradient_checkpointing_func for layer in model.model.layers
+    }
+    [function] = functions.values()
+    assert getattr(function.func, "__name__", None) == "checkpoint_func", "the offload function, as upstream names it"
+    assert not isinstance(function, LayerCheckpoint), "upstream's own function needs no layer: no shim code per call"
+    assert effects.count(NAME) == before
+
+
 def test_lifted_keyword_calls_still_let_the_function_find_its_layer():
     # reentrant-keyword-grads hands the function a recomputation of its own: it is bound to the layer
     # too, on every release (up to 5.22 the function found it there before the shim lifted a call)

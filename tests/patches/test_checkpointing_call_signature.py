@@ -253,8 +253,34 @@ def test_call_signature_counts_calls_trl_would_have_broken(ledger):
     with quietly(trl_utils.disable_gradient_checkpointing, model, {"use_reentrant": False}):
         pass
     count, last = ledger("checkpointing-call-signature")
-    # From 5.23 the re-enable goes through activation_checkpointing_enable, which hands every_n_layers
-    # and offload to the keyword-only override: the patch leaves them out, a second effect.
-    assert count == (2 if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable") else 1)
+    # The re-enable calls what trl calls, the override itself (by keyword): one effect on every release.
+    assert count == 1
     assert last.startswith("re-enabled checkpointing on KeywordOnly through its signature ")
     assert "would have passed {'use_reentrant': False} positionally and raised TypeError" in last
+
+
+@pytest.mark.skipif(
+    not HAS_TRL or not hasattr(importlib.import_module("trl.models.utils"), "disable_gradient_checkpointing"),
+    reason="version rule: disable_gradient_checkpointing exists from trl 0.26",
+)
+@pytest.mark.parametrize("pass_kwargs", [False, True], ids=["None", "kwargs"])
+def test_trls_cycle_calls_what_trl_calls_with_the_same_warnings(pass_kwargs):
+    """The replacement calls the methods trl's own calls (the ``gradient_checkpointing_*`` names):
+    a stock model's cycle warns exactly as without the shim (transformers' FutureWarnings for the
+    old names from 5.23), so ``-W error::FutureWarning`` runs end alike."""
+    import warnings
+
+    utils = importlib.import_module("trl.models.utils")
+
+    def cycle():
+        model = tiny_llama()
+        configure(model, CONFIGURED)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with utils.disable_gradient_checkpointing(model, CONFIGURED if pass_kwargs else None):
+                pass
+        return sorted({(w.category.__name__, str(w.message)) for w in caught}), checkpoint_kwargs(model)
+
+    with shim.disabled("checkpointing-call-signature"):
+        upstream = cycle()
+    assert cycle() == upstream

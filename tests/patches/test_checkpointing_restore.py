@@ -306,10 +306,8 @@ def test_no_future_warning_of_the_shims_own(recwarn):
         configure(model, FLIPPED)
         getattr(model, DISABLE)()
         getattr(model, ENABLE)()
-        if HAS_TRL and TRL_HAS_DISABLE_CONTEXT and ENABLE == "activation_checkpointing_enable":
-            # trl's own context calls the deprecated names; the shim's replacement does not.
-            with trl.models.utils.disable_gradient_checkpointing(model, FLIPPED):
-                pass
+    # trl's own context calls the deprecated names, and so does the shim's replacement of it: it warns
+    # as without the shim (test_checkpointing_call_signature.py, ..._with_the_same_warnings).
     assert checkpoint_kwargs(model) == FLIPPED
 
 

@@ -307,8 +307,11 @@ def test_every_combination_follows_peft_021(saved, case, first, how, second):
 
     with shim.disabled(NAME):
         upstream = run()
-    right = upstream_gets_it_right(first, how, second, case)
-    assert (upstream == []) is right, upstream
+    # Measured with the patch off: a build between releases inside the gate may carry the fix
+    # already (peft 0.20.1.dev0 from huggingface/peft 4ddb88b does). On a release, the table holds.
+    right = upstream == []
+    if PEFT.base_version == str(PEFT):
+        assert right is upstream_gets_it_right(first, how, second, case), upstream
     assert ledger() == (0, "")
 
     assert run() == []
