@@ -86,18 +86,15 @@ class _Inward:
     __slots__ = ("active", "index", "__wrapped__", "instance")
     active: tuple[Callable[..., Any], ...]
     index: int
+    __wrapped__: Any
     instance: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active, index = self.active, self.index
         if index + 1 < len(active):
             inner = _new(_Inward)
-            inner.active, inner.index, inner.__wrapped__, inner.instance = (
-                active,
-                index + 1,
-                self.__wrapped__,
-                self.instance,
-            )
+            inner.active, inner.index, inner.instance = active, index + 1, self.instance
+            inner.__wrapped__ = self.__wrapped__
         else:
             inner = self.__wrapped__
         return active[index](inner, self.instance, args, kwargs)
