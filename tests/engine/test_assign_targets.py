@@ -206,3 +206,49 @@ def test_a_failing_watcher_is_logged_and_the_switch_still_switches(fake_modules,
 
 def test_shim_exposes_the_watch_through_switch_of():
     assert callable(shim.switch_of("replaced-forward-keeps-checkpointing").watch)
+
+
+class Boxed:
+    """What a part makes of a value (weak references can be made to it, as to a checkpoint function)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_one_value_given_to_many_instances_of_a_class_passes_the_parts_once(fake_modules):
+    """An enable gives every layer one function: the parts run for the first layer and the others
+    get what it got. Another value, another class or a flipped switch runs them again; a value the
+    layer cannot refer to weakly runs them each time."""
+    pkg = fake_modules(target=TARGET + "\n\nclass Other(Layer):\n    pass\n")
+    seen = []
+
+    def boxing(instance, value):
+        seen.append(type(instance).__name__)
+        return Boxed(value)
+
+    registry = Registry([make_patch(pkg, boxing)])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    function = lambda: None  # noqa: E731  (a checkpoint function, as an enable hands every layer one)
+    layers = [module.Layer() for _ in range(3)]
+    for layer in layers:
+        layer.slot = function
+    assert seen == ["Layer"] and len({id(layer.slot) for layer in layers}) == 1
+    assert layers[0].slot.value is function
+    module.Other().slot = function
+    layers[0].slot = function
+    assert seen == ["Layer", "Other", "Layer"], "another class in between: the parts run again"
+    other = lambda: None  # noqa: E731
+    layers[1].slot = other
+    assert seen[-1] == "Layer" and layers[1].slot.value is other
+    with registry.disabled():
+        layers[2].slot = other
+    registry.disable()
+    registry.enable()
+    layers[2].slot = other
+    assert len(seen) == 5 and layers[2].slot.value is other, "another set of active parts: they run again"
+    count = len(seen)
+    for layer in layers:
+        layer.slot = 7  # an int: no weak reference
+    assert len(seen) == count + 3
+    registry.deactivate()

@@ -148,3 +148,53 @@ def test_other_patchers_are_named_when_asked_never_while_patches_apply(fake_modu
     said = [r.getMessage() for r in caplog.records if "replaced_by_hand" in r.getMessage()]
     assert said, [r.getMessage() for r in caplog.records]
     registry.deactivate()
+
+
+APPLYING = """
+import json, os, sys
+calls = []
+def profile(frame, event, arg):  # calls of its functions (CO_OPTIMIZED), not its import's bodies
+    code = frame.f_code
+    if event == "call" and code.co_flags & 1 and os.path.basename(code.co_filename) == "others.py":
+        calls.append(code.co_name)
+sys.setprofile(profile)
+import shim
+import transformers.modeling_utils, transformers.trainer, trl.models.utils
+from shim.selfcheck.models import tiny_llama
+
+model = tiny_llama(2)
+model.train()
+model.activation_checkpointing_enable({"use_reentrant": True})
+model.activation_checkpointing_disable()
+model.activation_checkpointing_enable()
+sys.setprofile(None)
+import wrapt
+from shim.wrapping import object_at, patch_names_of
+
+layers = {}
+for name in shim.registry.names:
+    for target in shim.registry.patch(name).targets:
+        module = sys.modules.get(target.module)
+        try:
+            current = object_at(module, target.path) if module else None
+        except Exception:
+            continue
+        found = sum(1 for entry in wrapt.wrapper_chain(current) if patch_names_of(entry))
+        if found:
+            layers[target.spec] = found
+print(json.dumps({"calls": calls, "layers": layers, "applied": [s.name for s in shim.status() if s.state == "applied"]}))
+"""
+
+
+def test_the_real_stack_applies_its_patches_one_layer_a_target_and_names_no_patcher_unasked():
+    """On the installed transformers and trl: every target the patches wrap holds one shim layer,
+    however many patches have a part there, and applying them and a model's enable, disable and
+    re-enable never call into the other-patcher room."""
+    import json
+
+    from tests.conftest import run_python
+
+    out = json.loads(run_python(APPLYING, torch_first=True).stdout.splitlines()[-1])
+    assert len(out["applied"]) >= 10, out
+    assert out["layers"] and set(out["layers"].values()) == {1}, out["layers"]
+    assert out["calls"] == []

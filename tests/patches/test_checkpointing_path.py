@@ -864,3 +864,64 @@ def test_an_enable_passes_each_layer_through_the_path_once():
     assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 2, calls
     steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))
     assert steps_asked <= len(on_the_path), calls
+
+
+# -- 8: a step added later still acts before finds-layer's hand-over ----------------------------------
+
+LATE_STEP = """
+import json
+import torch
+import shim
+from shim.selfcheck.models import tiny_llama
+from shim.selfcheck.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
+from tests.patches import late_step
+
+shim.register(late_step.PATCH)
+torch.manual_seed(0)
+model = tiny_llama(3)
+model.train()
+model.model.layers[0].requires_grad_(False)
+ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+loss_of = lambda m: m(ids, labels=ids).loss
+reference = trainable_grads(model, loss_of)
+model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=layer_finding_checkpoint())
+grads = trainable_grads(model, loss_of)
+slot = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
+print(json.dumps({
+    "order": [name for name, _layer in shim.wrappers(slot)],
+    "seen": late_step.SEEN,
+    "wrong": wrong_grads(reference, grads),
+    "effects": {s.name: s.effects for s in shim.status() if s.name == "checkpoint-function-finds-layer"},
+}))
+"""
+
+
+@pytest.mark.parametrize("name", ["checkpoint-aware-step", "late-step", "zz-step"])
+@pytest.mark.parametrize("after", [(), ("reentrant-frozen-input-grads",)], ids=["no after", "after frozen"])
+def test_finds_layer_stays_innermost_whatever_a_new_step_is_called_or_declared_after(name, after):
+    """Had finds-layer no place of its own, ties by name would put a step called, say,
+    ``checkpoint-aware-step`` inside it (acting after its hand-over); ``place="innermost"`` keeps it
+    next to upstream in the one order, without naming the steps before it."""
+    import dataclasses
+
+    from shim.catalogue import declared
+    from shim.order import stacking_order
+    from tests.patches import late_step
+
+    step = dataclasses.replace(late_step.PATCH, name=name, after=after)
+    ordered = [patch.name for patch in stacking_order([*declared(), step])]
+    on_the_slot = [n for n in ordered if n in (*STEPS, name)]
+    assert on_the_slot[0] == "checkpoint-function-finds-layer", on_the_slot
+
+
+@from_5_23
+def test_a_step_declared_later_after_a_built_in_acts_before_finds_layers_hand_over():
+    """A new step, in its own module, declared after reentrant-frozen-input-grads and naming no
+    other step: finds-layer still acts last (``place="innermost"``), so the recomputation the new
+    step hands over still carries the layer both ways and a layer-finding function trains right."""
+    out = json.loads(run_python(LATE_STEP, torch_first=True).stdout.splitlines()[-1])
+    assert out["order"].index("late-step") < out["order"].index("checkpoint-function-finds-layer"), out["order"]
+    assert out["order"][-1] == "checkpoint-function-finds-layer"
+    assert out["seen"] and not any(out["seen"]), "the late step acts before finds-layer's hand-over"
+    assert out["wrong"] == []
+    assert out["effects"]["checkpoint-function-finds-layer"] > 0

@@ -1,0 +1,120 @@
+"""The one order of the parts on a target (``shim.order``): declared with ``Patch.after`` and
+``Patch.place``, checked where it is declared (the built-ins' index, a registration), never
+inside a user's call; a pack whose order cannot hold is left out with one warning."""
+
+import importlib
+import warnings
+
+import pytest
+
+import shim
+from shim import Patch, Registry, Target, packs
+from shim.order import OrderError, stacking_order
+from tests.engine.fakes import TARGET, tagging
+from tests.engine.test_packs import write_pack
+
+pytestmark = pytest.mark.any_version
+
+
+def declared(name, *after, place=""):
+    return Patch(name, "s", "demo", ">=1", (Target("m:f", lambda *a: None),), after=after, place=place)
+
+
+def on_target(pkg, name, *after, place=""):
+    """Patch ``name`` on ``{pkg}.target:f``, tagging what f returns with its name."""
+    targets = (Target(f"{pkg}.target:f", tagging(name)),)
+    return Patch(
+        name=name, summary="demo", distribution=pkg, requires=">=1.0", targets=targets, after=after, place=place
+    )
+
+
+def test_the_built_ins_order_puts_the_places_first_then_after_then_names():
+    ordered = stacking_order(
+        [
+            declared("c"),
+            declared("a", "c"),
+            declared("z", place="innermost"),
+            declared("b"),
+            declared("y", place="outermost"),
+        ]
+    )
+    assert [p.name for p in ordered] == ["z", "b", "c", "a", "y"]
+
+
+@pytest.mark.parametrize(
+    ("patches", "message"),
+    [
+        ([declared("a", "b"), declared("b", "a")], "cycle: a -> b -> a"),
+        ([declared("a", "missing")], "which is no built-in patch"),
+        ([declared("a", "b", place="innermost"), declared("b")], "drop one of the two declarations"),
+    ],
+    ids=["cycle", "unknown name", "after against a place"],
+)
+def test_an_order_that_cannot_hold_is_refused_where_the_index_is_generated(patches, message):
+    with pytest.raises(OrderError, match=message):
+        stacking_order(patches)
+
+
+def test_a_place_must_be_one_of_the_three():
+    with pytest.raises(ValueError, match="place= must be one of"):
+        declared("a", place="first")
+
+
+def test_a_registry_orders_the_parts_on_a_target_outermost_first(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    patches = [
+        on_target(pkg, "late", "middle"),  # given first, but declared after "middle": registered after it
+        on_target(pkg, "middle"),
+        on_target(pkg, "last", place="innermost"),
+        on_target(pkg, "first", place="outermost"),
+    ]
+    registry = Registry(patches)
+    registry.activate()
+    assert [name for name, _layer in shim.wrappers(module.f)] == ["first", "late", "middle", "last"]
+    assert module.f(1) == ("first", ("late", ("middle", ("last", 1))))
+    registry.deactivate()
+
+
+def test_a_patch_of_your_own_sits_outside_the_ones_registered_before_it_in_its_place(fake_modules):
+    pkg = fake_modules(target=TARGET)
+    module = importlib.import_module(f"{pkg}.target")
+    registry = Registry([on_target(pkg, "builtin-like"), on_target(pkg, "inner", place="innermost")])
+    registry.activate()
+    registry.register(on_target(pkg, "yours"))
+    assert [name for name, _layer in shim.wrappers(module.f)] == ["yours", "builtin-like", "inner"]
+    registry.deactivate()
+
+
+@pytest.mark.parametrize(
+    ("after", "place", "message"),
+    [
+        (("nobody",), "", "'nobody', which is not registered before it"),
+        (("outer",), "", "sits outside it: drop one of the two declarations"),
+    ],
+    ids=["unknown name", "after a patch of an outer place"],
+)
+def test_register_refuses_an_order_that_cannot_hold_and_changes_nothing(fake_modules, after, place, message):
+    pkg = fake_modules(target=TARGET)
+    registry = Registry([on_target(pkg, "outer", place="outermost")])
+    with pytest.raises(OrderError, match=message):
+        registry.register(on_target(pkg, "mine", *after, place=place))
+    assert registry.names == ("outer",)
+
+
+def test_a_pack_whose_order_cannot_hold_is_left_out_with_one_warning(tmp_path, monkeypatch):
+    source = """
+from shim import Patch, Target
+
+PATCH = Patch(name=NAME, summary="s", distribution=DIST, requires=">=1.0",
+              targets=(Target(TARGET + ":one", lambda w, i, a, k: w(*a, **k)),), after=("no-such-patch",))
+"""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_pack(tmp_path, {"orderly-one": "{n}.fixes:PATCH"}, source=source)
+    registry = Registry()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packs.load(registry.names, registry.register, paths=[str(tmp_path)])
+    said = [str(w.message) for w in caught if issubclass(w.category, shim.ShimWarning)]
+    assert len(said) == 1 and "its place in the order cannot hold" in said[0] and "no-such-patch" in said[0]
+    assert registry.names == ()
