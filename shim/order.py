@@ -22,7 +22,6 @@ Loaded by ``import shim`` (a registered patch's rank is two integers); nothing h
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -66,6 +65,10 @@ def after_of(declared: object) -> tuple[str, ...]:
 def arrange(patches: Sequence[T]) -> list[T]:
     """``patches`` in the order given, each moved after the patches its ``after`` names among them
     (an unknown name or a cycle is left for :func:`check_after` to say)."""
+    if not any(after_of(patch) for patch in patches):
+        return list(patches)  # the built-ins at ``import shim``: their index lists them in order
+    import heapq
+
     position = {patch.name: index for index, patch in enumerate(patches)}
     waiting = {p.name: {n for n in after_of(p) if n in position and n != p.name} for p in patches}
     ready = [index for index, p in enumerate(patches) if not waiting[p.name]]
@@ -102,6 +105,8 @@ def stacking_order(patches: Sequence[T]) -> list[T]:
     """The built-in ``patches`` innermost first, as their index lists them: by place, each after the
     patches its ``after`` names, ties by name. Raises :class:`OrderError` for an unknown name, a
     cycle, or an ``after`` against a ``place``."""
+    import heapq
+
     by_name = {patch.name: patch for patch in patches}
     inside: dict[str, set[str]] = {}
     for patch in patches:
