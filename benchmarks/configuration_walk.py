@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import shim  # noqa: E402,F401  (as a training script starts)
 import torch  # noqa: E402
+
+import shim  # noqa: E402,F401  (as a training script starts)
 from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
 
 
