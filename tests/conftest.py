@@ -20,6 +20,7 @@ _counter = itertools.count()
 FIRST = (
     "test_reliability.py",
     "test_do_no_harm.py",
+    "test_device_check.py",
     "test_import_and_cli.py",
     "test_checkpointing_path.py",
     "test_shim_run.py",
@@ -75,7 +76,11 @@ def device() -> devices.Device:
     return devices.Device(devices.chosen())
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the on_device marks count
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:  # what runs on the test device, for scripts/device-check.sh's -m on_device
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.on_device)
     rank = {name: index for index, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
 

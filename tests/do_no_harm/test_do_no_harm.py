@@ -31,6 +31,7 @@ from tests import devices
 from tests.conftest import ROOT, zygote
 from tests.do_no_harm.workflows import MARK
 
+pytestmark = pytest.mark.on_device  # every workflow runs on the test device (DDP's gloo ranks on the CPU)
 WORKFLOWS = ROOT / "tests" / "do_no_harm" / "workflows"
 OPT_IN = devices.opt_in()
 DEVICE = devices.chosen()
