@@ -24,7 +24,9 @@ Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
   losses and gradients against two uncompiled steps without checkpointing.
 
 ``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
-``inductor``); a case ending in ``/bf16`` runs under bf16 autocast (on CUDA). Every case runs on the
+``inductor``); a case ending in ``/bf16`` runs its forwards under bf16 autocast (each forward and its
+loss, as a training script does: the optimizer step outside it, where autocast's cache of cast weights
+would go stale), its references too (on CUDA). Every case runs on the
 test device (``SHIM_TEST_DEVICE``). "Against" means within ``COMPILED_GRADIENTS`` for the device
 (``match``, with the names that do not in ``wrong``); tokens must be equal. Every record also counts the graphs dynamo compiled and the graph
 breaks it took (``graphs``, ``breaks``, and the distinct reasons, ``reasons``): a layer the shim made
@@ -59,7 +61,20 @@ TRANSFORMERS = Version(transformers.__version__)
 COMPILED_GRADIENTS = devices.Tolerances(cpu=(1e-5, 1e-6), cuda=(1e-4, 1e-5), bf16=(5e-2, 1e-2))
 MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: testmodels.tiny_qwen2(2)}
 BF16 = "/bf16"  # a case name's ending: the case runs under bf16 autocast
-TOLERANCE = DEVICE.tolerance(COMPILED_GRADIENTS)  # this float32 run's; a bf16 case's is set by case()
+
+
+class Running:
+    """Where the case being run computes: the test device, its bf16 variant for a ``/bf16`` case."""
+
+    device = DEVICE
+
+
+def autocast():
+    return Running.device.autocast()
+
+
+def tolerance() -> dict:
+    return Running.device.tolerance(COMPILED_GRADIENTS)
 
 
 def build(model: str):
@@ -68,13 +83,13 @@ def build(model: str):
 
 
 def close(got, expected) -> bool:
-    return torch.allclose(got, expected, **TOLERANCE)
+    return torch.allclose(got, expected, **tolerance())
 
 
 def evaluate(model: str, backend: str) -> dict:
     net = build(model).eval()
     ids = input_ids()
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         expected = net(ids).logits
         got = torch.compile(net, backend=backend)(ids).logits
     return {"logits": digest({"logits": got}), "match": close(got, expected)}
@@ -84,9 +99,11 @@ def generate(model: str, backend: str) -> dict:
     net = build(model).eval()
     ids = input_ids()
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    expected = net.generate(ids, **options)
+    with autocast():
+        expected = net.generate(ids, **options)
     net.forward = torch.compile(net.forward, backend=backend)
-    got = net.generate(ids, **options)
+    with autocast():
+        got = net.generate(ids, **options)
     return {"tokens": got.tolist(), "match": torch.equal(got, expected)}
 
 
@@ -97,7 +114,8 @@ def steps(model, forward, count: int = 2) -> tuple[list, list]:
     losses, gradients = [], []
     for _ in range(count):
         optimizer.zero_grad(set_to_none=True)
-        loss = forward(ids, labels=ids).loss
+        with autocast():  # the forward and its loss; backward and the step outside, as autocast asks
+            loss = forward(ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
         gradients.append(grads(model))
@@ -111,7 +129,7 @@ def compared(net, losses, gradients, expected_losses, expected_grads) -> dict:
         {
             name
             for got, expected in zip(gradients, expected_grads)
-            for name in tinysteps.wrong_grads(expected, got, **TOLERANCE)
+            for name in tinysteps.wrong_grads(expected, got, **tolerance())
         }
     )
     match = not wrong and all(close(got, expected) for got, expected in zip(losses, expected_losses))
@@ -159,22 +177,26 @@ def graph_break(function: str, backend: str, how: str) -> dict:
 def fix_keyword(backend: str) -> dict:
     net = build("llama").train()
     ids = input_ids()
-    expected = tinysteps.keyword_driven_grads(net, ids)
+    with autocast():  # one backward each, no step between: the whole of it under autocast
+        expected = tinysteps.keyword_driven_grads(net, ids)
     tinysteps.enable_checkpointing(net, {"use_reentrant": True})
     for layer in net.model.layers:
         layer.compile(backend=backend)
-    got = tinysteps.keyword_driven_grads(net, ids)
-    wrong = tinysteps.wrong_grads(expected, got, **TOLERANCE)
+    with autocast():
+        got = tinysteps.keyword_driven_grads(net, ids)
+    wrong = tinysteps.wrong_grads(expected, got, **tolerance())
     return {"grads": digest(got), "match": not wrong, "wrong": wrong}
 
 
 def fix_frozen_input(backend: str) -> dict:
     net, loss_of = tinymodels.frozen_input_llama(3, device=DEVICE.type)
-    expected = tinysteps.trainable_grads(net, loss_of)
+    with autocast():
+        expected = tinysteps.trainable_grads(net, loss_of)
     tinysteps.enable_checkpointing(net, {"use_reentrant": True})
     compiled = torch.compile(net, backend=backend)
-    got = tinysteps.trainable_grads(net, lambda _: loss_of(compiled))
-    wrong = tinysteps.wrong_grads(expected, got, **TOLERANCE)
+    with autocast():
+        got = tinysteps.trainable_grads(net, lambda _: loss_of(compiled))
+    wrong = tinysteps.wrong_grads(expected, got, **tolerance())
     return {"grads": digest(got), "match": not wrong, "wrong": wrong}
 
 
@@ -201,19 +223,16 @@ def case(name: str):
     """The case ``name``: counted, and under bf16 autocast on the test device where it ends in ``/bf16``."""
     if not name.endswith(BF16):
         return counted(plan(name))
-    variant = devices.Device(DEVICE.type, bf16=True)
     run = counted(plan(name.removesuffix(BF16)))
 
-    def autocast() -> dict:
-        global TOLERANCE
-        TOLERANCE = variant.tolerance(COMPILED_GRADIENTS)
+    def in_bf16() -> dict:
+        Running.device = devices.Device(DEVICE.type, bf16=True)
         try:
-            with variant.autocast():
-                return run()
+            return run()
         finally:
-            TOLERANCE = DEVICE.tolerance(COMPILED_GRADIENTS)
+            Running.device = DEVICE
 
-    return autocast
+    return in_bf16
 
 
 def plan(name: str):
