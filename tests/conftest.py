@@ -55,7 +55,7 @@ def pytest_configure(config):
 
         if not torch.cuda.is_available():
             raise pytest.UsageError(f"the test device is cuda, and torch {torch.__version__} sees no CUDA device")
-        for key, value in devices.CUDA_DETERMINISM.items():
+        for key, value in devices.CUDA_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
     os.environ[devices.VARIABLE] = name
 

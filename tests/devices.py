@@ -11,7 +11,7 @@ A comparison with another computation states its tolerance per device (:class:`T
 CPU's is what the suite always used (torch on one thread repeats a computation bit for bit), never
 loosened for a device; CUDA's allow for kernels that sum in another order from run to run (atomic
 adds in the embedding's and attention's backward); bf16's for autocast's rounding. The CUDA figures
-are stated, not yet measured: the device check (``scripts/device-check.sh``) is where they are.
+are stated, not yet measured: the device check (``scripts/device-check.sh``) is where they will be.
 
 Standard library only at import (torch inside the functions): the workflows import this before torch.
 """
@@ -26,10 +26,16 @@ from typing import Any
 
 VARIABLE = "SHIM_TEST_DEVICE"
 DEVICES = ("cpu", "cuda")
-#: What CUDA needs to repeat a computation bit for bit in two processes (the do-no-harm workflows
-#: compare the shim off and on exactly): cuBLAS's fixed workspace, inductor without on-device
-#: benchmarking (its kernels chosen the same way each time). Set before CUDA starts.
-CUDA_DETERMINISM = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHINDUCTOR_DETERMINISTIC": "1"}
+#: The environment of a CUDA run, set before CUDA starts. What CUDA needs to repeat a computation bit
+#: for bit in two processes (the do-no-harm workflows compare the shim off and on exactly): cuBLAS's
+#: fixed workspace, inductor without on-device benchmarking (its kernels chosen the same way each
+#: time). And torch's CUDA checks through NVML: the workflows' interpreters are forked from one that
+#: has imported torch (tests/zygote.py), which must not have started CUDA's driver by asking.
+CUDA_ENVIRONMENT = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "TORCHINDUCTOR_DETERMINISTIC": "1",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+}
 
 
 def chosen(option: str | None = None, environ: Mapping[str, str] = os.environ) -> str:
@@ -118,12 +124,12 @@ def from_environment() -> Device:
 
 def deterministic(device: Device) -> None:
     """Make CUDA repeat a computation bit for bit, as one CPU thread does (call before the first CUDA
-    call; :data:`CUDA_DETERMINISM` is in the environment by then). Nothing on a CPU."""
+    call; :data:`CUDA_ENVIRONMENT` is in the environment by then). Nothing on a CPU."""
     if not device.cuda:
         return
     import torch
 
-    for key, value in CUDA_DETERMINISM.items():
+    for key, value in CUDA_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
