@@ -59,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness import fixed_mmap_threshold, table, timed_step  # benchmarks/, first on sys.path for a script
+from workloads import checkpointing_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -252,30 +253,18 @@ class CudaMeter:
 # -- the models and their steps ---------------------------------------------------------------------
 
 
-def llama_config(options) -> dict:
-    return dict(
-        hidden_size=options.hidden,
-        intermediate_size=options.hidden * 4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=options.seq,
-        use_cache=False,
-    )
-
-
 def build(family: str, options, device: str):
     """``(model, inputs)`` of a family, on ``device``, in training mode, seeded."""
     import torch
 
-    from shim.selfcheck.models import lora_config, tiny_llama, tiny_qwen2_vl, vision_tower
+    from shim.selfcheck.models import lora_config, tiny_qwen2_vl, vision_tower
 
     torch.manual_seed(0)
     if family == "frozen-tower":
         model, inputs = tiny_qwen2_vl(options.tower_depth, options.tower_width, options.image)
         vision_tower(model).requires_grad_(False)  # the usual VLM set-up: the language model trains
         return model.to(device), {key: value.to(device) for key, value in inputs.items()}
-    model = tiny_llama(options.layers, **llama_config(options))
+    model = checkpointing_llama(options.layers, options.hidden, options.seq, use_cache=False)
     if family == "frozen-input":
         model.model.embed_tokens.requires_grad_(False)
         model.model.layers[0].requires_grad_(False)
