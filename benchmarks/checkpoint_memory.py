@@ -230,6 +230,7 @@ class CudaMeter:
         import torch
 
         self.cuda = torch.cuda
+        self.before_reset = 0  # the peak a step had reached when backward's own count was restarted
 
     def sync(self) -> None:
         self.cuda.synchronize()
@@ -240,14 +241,20 @@ class CudaMeter:
 
     def peak_of(self, run: Callable[[], object]) -> int:
         self.sync()
+        self.before_reset = max(self.before_reset, self.cuda.max_memory_allocated())
         self.cuda.reset_peak_memory_stats()
         run()
         self.sync()
         return self.cuda.max_memory_allocated()
 
     def step_peak(self, run: Callable[[], object]) -> float:
+        """MB the step's peak rises above its start: backward's peak, or the forward's before it."""
         start = self.now()
-        return (self.peak_of(run) - start) / MB
+        self.cuda.reset_peak_memory_stats()
+        self.before_reset = 0
+        run()
+        self.sync()
+        return (max(self.before_reset, self.cuda.max_memory_allocated()) - start) / MB
 
 
 # -- the models and their steps ---------------------------------------------------------------------

@@ -124,3 +124,54 @@ def test_a_smoke_run_judges_nothing_but_the_gradients():
         memory.CASE["reentrant"], held(none=(2, 2), reentrant=(1, 1.5)), right("none", "reentrant"), judged=False
     )
     assert judged["line"].endswith("not judged") and "MISSED" not in judged["line"]
+
+
+class FakeCuda:
+    """torch.cuda's allocator counters, driven by hand: ``allocate(n)`` / ``free(n)``."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def allocate(self, size):
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, size):
+        self.allocated -= size
+
+    def synchronize(self):
+        pass
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.peak = self.allocated
+
+
+def test_on_cuda_the_step_peak_keeps_the_forwards_peak_past_backwards_own_count():
+    cuda = FakeCuda()
+    meter = object.__new__(memory.CudaMeter)
+    meter.cuda, meter.before_reset = cuda, 0
+    cuda.allocate(100 * MB)  # the model
+    figures = {}
+
+    def step():
+        start = meter.now()
+        cuda.allocate(80 * MB)  # a forward temporary, freed before the loss
+        cuda.free(80 * MB)
+        cuda.allocate(20 * MB)  # held for backward
+        figures["held"] = meter.now() - start
+
+        def backward():
+            cuda.allocate(30 * MB)  # the recomputation
+            cuda.free(50 * MB)  # it and what was held, gone
+
+        figures["backward_peak"] = meter.peak_of(backward) - start
+
+    step_peak = meter.step_peak(step)
+    assert figures == {"held": 20 * MB, "backward_peak": 50 * MB}
+    assert step_peak == 80  # MB: the forward's temporary, which backward's restarted count no longer sees
