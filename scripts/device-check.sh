@@ -46,7 +46,10 @@ if [ "${1:-}" = "--fetch" ]; then
     folder=${2:-.whl}
     mkdir -p "$folder"
     pins=()
-    for name in "${DEVICE_WHEELS[@]}"; do pins+=("$(pin_of "$name")") || exit 1; done
+    for name in "${DEVICE_WHEELS[@]}"; do
+        pin=$(pin_of "$name") || exit 1
+        pins+=("$pin")
+    done
     platforms=()
     for platform in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
         manylinux1_x86_64; do
@@ -100,11 +103,15 @@ step() {  # step NAME LOG COMMAND...: run COMMAND, its output to LOG; note its e
 
 install() {  # the check's environment: a venv that sees PYTHON's packages behind its own
     "$python" -m venv --without-pip "$venv" || return 1
-    local own base
+    local own
     own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
-    base=$("$python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
-    # addsitedir, not a bare path: PYTHON's own .pth files (editable installs, torch's) are read too
-    echo "import site; site.addsitedir('$base')" >"$own/_device_check_base.pth"
+    # PYTHON's package folders, each through addsitedir, not as a bare path: their .pth files
+    # (editable installs, torch's) are read too
+    "$python" -c 'import site, sys
+for path in sys.path:
+    if path.endswith(("site-packages", "dist-packages")):
+        print(f"import site; site.addsitedir({path!r})")' >"$own/_device_check_base.pth" || return 1
+    cat "$own/_device_check_base.pth"
     local pip=("$venv/bin/python" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check)
     if compgen -G "$wheels/*.whl" >/dev/null; then
         "${pip[@]}" "$wheels"/*.whl || return 1
