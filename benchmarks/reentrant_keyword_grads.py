@@ -32,6 +32,7 @@ import warnings
 from pathlib import Path
 
 from harness import fixed_mmap_threshold, timed_step  # benchmarks/, first on sys.path for a script
+from workloads import checkpointing_llama
 
 fixed_mmap_threshold()
 
@@ -42,7 +43,7 @@ import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
 
 import shim  # noqa: E402  (first, as a user would)
-from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
+from shim.selfcheck.models import quiet_transformers  # noqa: E402
 from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
@@ -134,15 +135,7 @@ def main() -> None:
     assert shim.registry.is_on(NAME), shim.status()
 
     torch.manual_seed(0)
-    model = tiny_llama(
-        options.layers,
-        hidden_size=options.hidden,
-        intermediate_size=options.hidden * 4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=options.seq,
-    )
+    model = checkpointing_llama(options.layers, options.hidden, options.seq)
     model.train()
     input_ids = torch.randint(0, model.config.vocab_size, (options.batch, options.seq))
 

@@ -30,6 +30,16 @@ def llama(config: dict):
     return tiny_llama(options.pop("num_hidden_layers"), **options)
 
 
+def checkpointing_llama(layers: int, hidden: int, seq: int, **overrides):
+    """The Llama the checkpointing benchmarks step (``reentrant_keyword_grads.py``,
+    ``checkpoint_memory.py``): ``layers`` layers of width ``hidden``, 4 heads, an intermediate 4 times
+    as wide, a vocabulary of 1024, ``seq`` positions. Unseeded: the caller seeds."""
+    from shim.selfcheck.models import tiny_llama
+
+    options = dict(intermediate_size=hidden * 4, num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
+    return tiny_llama(layers, hidden_size=hidden, max_position_embeddings=seq, **options, **overrides)
+
+
 def save_model(directory: str, layers: int) -> int:
     """Save a tiny Llama of ``layers`` decoder layers for :func:`load`; returns its tensor count."""
     import torch

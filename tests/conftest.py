@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import shim  # noqa: F401  (the shim is active for every in-process test, as for a user)
+from tests import devices
 
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
@@ -19,6 +20,7 @@ _counter = itertools.count()
 FIRST = (
     "test_reliability.py",
     "test_do_no_harm.py",
+    "test_device_check.py",
     "test_import_and_cli.py",
     "test_checkpointing_path.py",
     "test_shim_run.py",
@@ -32,7 +34,53 @@ FIRST = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default=None,
+        help="where the tests that compare gradients or run workflows run: cpu (the default) or cuda; "
+        f"also {devices.VARIABLE} (tests/devices.py)",
+    )
+
+
+def pytest_configure(config):
+    """Read the test device once; write it back to ``SHIM_TEST_DEVICE`` for the workflows' fresh
+    interpreters (and xdist's workers), with what CUDA needs to repeat itself."""
+    try:
+        name = devices.chosen(config.getoption("--device"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"the test device is cuda, and torch {torch.__version__} sees no CUDA device")
+        for key, value in devices.CUDA_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+    os.environ[devices.VARIABLE] = name
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked ``autocast`` that takes ``device`` runs once per variant on CUDA; on a CPU it is
+    left alone (one run, its name unchanged)."""
+    if "device" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("autocast") is None:
+        return
+    variants = devices.variants(devices.chosen())
+    if len(variants) > 1:
+        metafunc.parametrize("device", variants, ids=str)
+
+
+@pytest.fixture
+def device() -> devices.Device:
+    """Where this test runs (``--device`` / ``SHIM_TEST_DEVICE``, ``tests/devices.py``)."""
+    return devices.Device(devices.chosen())
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the on_device marks count
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:  # what runs on the test device, for scripts/device-check.sh's -m on_device
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.on_device)
     rank = {name: index for index, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
 
@@ -61,8 +109,9 @@ def fake_modules(tmp_path, monkeypatch):
 
 def clean_environment(env: dict | None = None) -> dict:
     """This process's environment without the SHIM_* variables, then ``env``: a fresh interpreter's
-    switches are only those a test sets."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SHIM_")} | (env or {})
+    switches are only those a test sets (the test device, ``SHIM_TEST_DEVICE``, is the suite's, and stays)."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith("SHIM_") or k == devices.VARIABLE}
+    return kept | (env or {})
 
 
 _zygote = None

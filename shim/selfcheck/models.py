@@ -59,17 +59,18 @@ def frozen_llama_class() -> type:
     return FrozenBaseLlama
 
 
-def frozen_input_llama(layers: int = 3) -> tuple[Any, Callable[[Any], Any]]:
+def frozen_input_llama(layers: int = 3, device: str = "cpu") -> tuple[Any, Callable[[Any], Any]]:
     """A Llama driven with ``inputs_embeds`` from its frozen embeddings, layer 0 frozen: the inputs
-    of layer 1 require no grad. Returns ``(model, loss_of)``."""
+    of layer 1 require no grad. Returns ``(model, loss_of)``, both on ``device``."""
     import torch
 
     torch.manual_seed(0)
     model = tiny_llama(layers)
-    model.train()
+    model.to(device).train()
     model.model.embed_tokens.requires_grad_(False)
     model.model.layers[0].requires_grad_(False)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    input_ids = input_ids.to(device)
     with torch.no_grad():
         embeds = model.model.embed_tokens(input_ids)
 

@@ -32,7 +32,7 @@ def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
     torch.manual_seed(seed)
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
-    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     position_embeddings = inner.rotary_emb(hidden, positions)
     for layer in inner.layers:
         out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)

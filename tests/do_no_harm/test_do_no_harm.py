@@ -7,27 +7,34 @@ A workflow prints, per case, its outcome (or the exception's type and message) a
 tokens, losses, digests of weights and gradients, for compiled runs the number of graphs and graph
 breaks. The two runs must match exactly: torch runs on one thread, so the same computation repeats
 bit for bit on CPU. Where a case compares with another computation (compiled against eager, a
-checkpointed run against one without), it says the tolerance: ``RTOL``/``ATOL`` in
+checkpointed run against one without), it says the tolerance: ``COMPILED_GRADIENTS`` in
 ``tests/do_no_harm/workflows/compiled.py``, ``shim.selfcheck.steps.wrong_grads``' defaults elsewhere. A case that
 fails without the shim is a broken test, never a pass.
+
+The workflows run on the test device (``--device`` / ``SHIM_TEST_DEVICE``, ``tests/devices.py``), made to
+repeat itself bit for bit there; DDP's two gloo ranks stay on the CPU (two ranks on one GPU is not how
+anyone trains). On CUDA the compiled cases add ``inductor`` and bf16 autocast cases.
 
 ``DO_NO_HARM=full`` runs every ``torch.compile`` combination (Llama and Qwen2; eval, ``generate()``,
 training without, with reentrant and with non-reentrant checkpointing; a graph break in every layer
 with each checkpoint function of the user's, regional and whole-model; backends ``eager`` and
 ``aot_eager``) instead of a covering subset; ``DO_NO_HARM=inductor`` (or ``full,inductor``) adds
-the ``inductor`` backend, which takes about a minute per case to compile on a CPU.
+the ``inductor`` backend, which takes about a minute per case to compile on a CPU, and which the
+CUDA device always adds.
 """
 
 import json
-import os
 
 import pytest
 
+from tests import devices
 from tests.conftest import ROOT, zygote
 from tests.do_no_harm.workflows import MARK
 
+pytestmark = pytest.mark.on_device  # every workflow runs on the test device (DDP's gloo ranks on the CPU)
 WORKFLOWS = ROOT / "tests" / "do_no_harm" / "workflows"
-OPT_IN = {part.strip() for part in os.environ.get("DO_NO_HARM", "").split(",") if part.strip()}
+OPT_IN = devices.opt_in()
+DEVICE = devices.chosen()
 IGNORED = {"seconds", "cpu", "where"}  # how long a case took, and where it failed: not what it did
 
 
@@ -157,7 +164,7 @@ def test_ddp_with_an_unused_parameter_trains_as_without_the_shim():
 
 # -- 2: torch.compile ------------------------------------------------------------------------------
 
-BACKENDS = ["eager", "aot_eager"] + (["inductor"] if "inductor" in OPT_IN else [])
+BACKENDS = devices.backends(DEVICE, OPT_IN)
 MODELS = ["llama", "qwen2"]
 if "full" in OPT_IN:
     COMPILED = [
@@ -182,8 +189,12 @@ else:  # every model, kind, checkpointing and backend at least once; each functi
     COMPILED += ["fix-keyword/aot_eager", "fix-frozen-input/aot_eager"]
     COMPILED += ["graph-break/closure/eager/whole", "graph-break/partial/aot_eager/regional"]
     COMPILED += ["graph-break/args0/eager/regional"]
-    if "inductor" in OPT_IN:
+    if "inductor" in BACKENDS:
         COMPILED += ["llama/eval/inductor", "llama/train-reentrant/inductor"]
+if DEVICE == "cuda":  # the two fixes on the default backend, and training under bf16 autocast
+    ON_CUDA = ["fix-keyword/inductor", "fix-frozen-input/inductor", "fix-keyword/aot_eager/bf16"]
+    ON_CUDA += ["llama/train-reentrant/inductor/bf16", "qwen2/train-non-reentrant/aot_eager/bf16"]
+    COMPILED += [case for case in ON_CUDA if case not in COMPILED]
 
 
 def test_torch_compile_works_as_without_the_shim():

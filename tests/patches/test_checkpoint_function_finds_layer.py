@@ -26,6 +26,7 @@ from shim.selfcheck.steps import (
     trainable_grads,
     wrong_grads,
 )
+from tests import devices
 
 NAME = "checkpoint-function-finds-layer"
 from_5_23 = pytest.mark.skipif(
@@ -34,9 +35,9 @@ from_5_23 = pytest.mark.skipif(
 )
 
 
-def frozen_first_layer_llama():
+def frozen_first_layer_llama(device=devices.CPU):
     torch.manual_seed(0)
-    model = tiny_llama(3)
+    model = device.put(tiny_llama(3))
     model.train()
     model.model.layers[0].requires_grad_(False)
     return model
@@ -44,6 +45,7 @@ def frozen_first_layer_llama():
 
 def loss_of(model):
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
     return model(ids, labels=ids).loss
 
 
@@ -53,19 +55,22 @@ def enable_with(model, function):
 
 
 @from_5_23
+@pytest.mark.autocast
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_function_that_finds_its_layer_works_and_gives_the_gradients_of_no_checkpointing(reentrant):
-    model = frozen_first_layer_llama()
-    reference = trainable_grads(model, loss_of)
+def test_a_function_that_finds_its_layer_works_and_gives_the_gradients_of_no_checkpointing(reentrant, device):
+    model = frozen_first_layer_llama(device)
+    with device.autocast():
+        reference = trainable_grads(model, loss_of)
     function = layer_finding_checkpoint(functools.partial(checkpoint, use_reentrant=reentrant))
     with shim.disabled(NAME):
         enable_with(model, function)
-        with pytest.raises(AttributeError, match="__self__"):
+        with pytest.raises(AttributeError, match="__self__"), device.autocast():
             trainable_grads(model, loss_of)
     before = effects.count(NAME)
     enable_with(model, function)
     assert isinstance(model.model.layers[0]._gradient_checkpointing_func, LayerCheckpoint)
-    assert wrong_grads(reference, trainable_grads(model, loss_of)) == []
+    with device.autocast():
+        assert wrong_grads(reference, trainable_grads(model, loss_of), **device.tolerance()) == []
     assert effects.count(NAME) == before + 3, "each layer call handed its layer"
     assert "LlamaDecoderLayer" in effects.last(NAME)
 

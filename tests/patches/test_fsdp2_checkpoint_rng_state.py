@@ -15,6 +15,7 @@ from packaging.version import Version
 
 import shim
 from shim.selfcheck import steps as tinysteps
+from tests import devices
 from tests import tinymodels as testmodels
 from tests.conftest import run_python
 
@@ -29,10 +30,10 @@ pytestmark = [
 ]
 
 
-def input_ids():
+def input_ids(device=devices.CPU):
     import torch
 
-    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return device.put(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
 
 
 def ledger() -> tuple[int, str | None]:
@@ -40,19 +41,20 @@ def ledger() -> tuple[int, str | None]:
     return record.effects, record.last_effect
 
 
-def step(model):
-    """One step's gradients, and the RNG state after it (what the next step's dropout draws from)."""
+def step(model, device=devices.CPU):
+    """One step's gradients, and the RNG state after it (what the next step's dropout draws from: the
+    device's generator, CUDA's on CUDA)."""
     import torch
 
-    grads = testmodels.causal_lm_grads(model, input_ids())
-    return grads, torch.get_rng_state()
+    grads = testmodels.causal_lm_grads(model, input_ids(device))
+    return grads, torch.cuda.get_rng_state() if device.cuda else torch.get_rng_state()
 
 
-def checkpointed(offload=False, **build):
+def checkpointed(offload=False, device=devices.CPU, **build):
     """The model after accelerate's ``fsdp2_apply_ac``, called as ``Accelerator.prepare`` calls it."""
     from accelerate.utils import fsdp_utils
 
-    model = testmodels.dropout_llama(**build)
+    model = device.put(testmodels.dropout_llama(**build))
     return fsdp_utils.fsdp2_apply_ac(tinysteps.fsdp2_accelerator(model, offload=offload), model)
 
 
@@ -62,34 +64,34 @@ def wrappers(model):
     return [module for module in model.modules() if isinstance(module, CheckpointWrapper)]
 
 
-def reference():
-    return step(testmodels.dropout_llama())
+def reference(device=devices.CPU):
+    return step(device.put(testmodels.dropout_llama()), device)
 
 
-def assert_like_the_uncheckpointed_step(model, expected):
+def assert_like_the_uncheckpointed_step(model, expected, device=devices.CPU):
     import torch
 
-    grads, rng = step(model)
-    assert tinysteps.wrong_grads(expected[0], grads) == []
+    grads, rng = step(model, device)
+    assert tinysteps.wrong_grads(expected[0], grads, **device.tolerance()) == []
     assert torch.equal(rng, expected[1]), "the recompute must leave the RNG stream where the forward left it"
 
 
-def test_checkpointed_gradients_equal_the_uncheckpointed_step():
+def test_checkpointed_gradients_equal_the_uncheckpointed_step(device):
     import torch
 
-    expected = reference()
+    expected = reference(device)
     with shim.disabled(NAME):
-        upstream = checkpointed()
-        upstream_grads, upstream_rng = step(upstream)
+        upstream = checkpointed(device=device)
+        upstream_grads, upstream_rng = step(upstream, device)
     assert wrappers(upstream) and all(
         w.checkpoint_fn.keywords["preserve_rng_state"] is False for w in wrappers(upstream)
     )
-    wrong = tinysteps.wrong_grads(expected[0], upstream_grads)
+    wrong = tinysteps.wrong_grads(expected[0], upstream_grads, **device.tolerance())
     assert wrong and all(".lora_" in name for name in wrong), "bug: upstream's recompute draws other LoRA masks"
     assert not torch.equal(upstream_rng, expected[1]), "bug: upstream's recompute moves the RNG stream on"
 
     count, _ = ledger()
-    model = checkpointed()
+    model = checkpointed(device=device)
     assert len(wrappers(model)) == len(wrappers(upstream))
     for wrapper, stock in zip(wrappers(model), wrappers(upstream)):
         function = wrapper.checkpoint_fn
@@ -97,15 +99,16 @@ def test_checkpointed_gradients_equal_the_uncheckpointed_step():
         assert function.keywords == {**stock.checkpoint_fn.keywords, "preserve_rng_state": True}
     assert ledger()[0] == count + 1
     assert f"wrapped {len(wrappers(model))} layer(s) of PeftModel " in ledger()[1]
-    assert_like_the_uncheckpointed_step(model, expected)
+    assert_like_the_uncheckpointed_step(model, expected, device)
 
 
-def test_attention_dropout_alone_is_fixed_too():
+def test_attention_dropout_alone_is_fixed_too(device):
     """No PEFT: dropout inside the attention only."""
-    expected = step(testmodels.dropout_llama(lora_dropout=None))
+    expected = step(device.put(testmodels.dropout_llama(lora_dropout=None)), device)
     with shim.disabled(NAME):
-        assert tinysteps.wrong_grads(expected[0], step(checkpointed(lora_dropout=None))[0]), "bug"
-    assert_like_the_uncheckpointed_step(checkpointed(lora_dropout=None), expected)
+        upstream = step(checkpointed(lora_dropout=None, device=device), device)
+        assert tinysteps.wrong_grads(expected[0], upstream[0], **device.tolerance()), "bug"
+    assert_like_the_uncheckpointed_step(checkpointed(lora_dropout=None, device=device), expected, device)
 
 
 @pytest.mark.skipif(

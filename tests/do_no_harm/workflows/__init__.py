@@ -6,7 +6,8 @@ and ``cpu`` (its wall and CPU time), and what the case produced (tokens, losses,
 differs between two runs of the same computation.
 
 Models come from ``shim.selfcheck.models`` and ``tests.tinymodels``; torch runs on one thread, so a
-computation repeats bit for bit.
+computation repeats bit for bit. They run on the suite's test device (:data:`DEVICE`, ``tests/devices.py``:
+``SHIM_TEST_DEVICE``), made to repeat itself there too (:func:`tests.devices.deterministic`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import time
 import traceback
 from collections.abc import Callable
 
+from tests import devices
+
 MARK = "do-no-harm-result: "
+DEVICE = devices.from_environment()
 SEED_INPUTS = 1
 
 
@@ -31,14 +35,16 @@ def quiet() -> None:
     from shim.selfcheck.models import quiet_transformers
 
     torch.set_num_threads(1)
+    devices.deterministic(DEVICE)
     quiet_transformers()
     warnings.simplefilter("ignore")
 
 
-def input_ids(rows: int = 2, length: int = 8, vocab: int = 64):
+def input_ids(rows: int = 2, length: int = 8, vocab: int = 64, device: devices.Device = DEVICE):
+    """Token ids, on the test device unless ``device`` says otherwise."""
     import torch
 
-    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(SEED_INPUTS))
+    return device.put(torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(SEED_INPUTS)))
 
 
 def digest(tensors) -> str:

@@ -24,8 +24,11 @@ Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
   losses and gradients against two uncompiled steps without checkpointing.
 
 ``<model>`` is ``llama`` or ``qwen2``, ``<backend>`` one of torch's (``eager``, ``aot_eager``,
-``inductor``). "Against" means within ``RTOL``/``ATOL`` (``match``, with the names that do not in
-``wrong``); tokens must be equal. Every record also counts the graphs dynamo compiled and the graph
+``inductor``); a case ending in ``/bf16`` runs its forwards under bf16 autocast (each forward and its
+loss, as a training script does: the optimizer step outside it, where autocast's cache of cast weights
+would go stale), its references too (on CUDA). Every case runs on the
+test device (``SHIM_TEST_DEVICE``). "Against" means within ``COMPILED_GRADIENTS`` for the device
+(``match``, with the names that do not in ``wrong``); tokens must be equal. Every record also counts the graphs dynamo compiled and the graph
 breaks it took (``graphs``, ``breaks``, and the distinct reasons, ``reasons``): a layer the shim made
 untraceable runs, uncompiled, with correct results, and only these show it.
 
@@ -46,28 +49,47 @@ from packaging.version import Version
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import devices
 from tests import tinymodels as testmodels
-from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, user_functions, weights
+from tests.do_no_harm.workflows import DEVICE, digest, grads, input_ids, quiet, run_cases, user_functions, weights
 
 TRANSFORMERS = Version(transformers.__version__)
 
-RTOL, ATOL = 1e-5, 1e-6  # shim.selfcheck.steps.wrong_grads' defaults; measured: 0 on eager/aot_eager, 3e-8 inductor
+#: Compiled against eager. On a CPU ``shim.selfcheck.steps.wrong_grads``' defaults (measured: 0 on
+#: eager/aot_eager, 3e-8 inductor); on CUDA inductor's Triton kernels sum in their own order, and under
+#: bf16 autocast it keeps in float32 what eager rounds to bf16 (stated, not yet measured on a device).
+COMPILED_GRADIENTS = devices.Tolerances(cpu=(1e-5, 1e-6), cuda=(1e-4, 1e-5), bf16=(5e-2, 1e-2))
 MODELS = {"llama": lambda: tinymodels.tiny_llama(2), "qwen2": lambda: testmodels.tiny_qwen2(2)}
+BF16 = "/bf16"  # a case name's ending: the case runs under bf16 autocast
+
+
+class Running:
+    """Where the case being run computes: the test device, its bf16 variant for a ``/bf16`` case."""
+
+    device = DEVICE
+
+
+def autocast():
+    return Running.device.autocast()
+
+
+def tolerance() -> dict:
+    return Running.device.tolerance(COMPILED_GRADIENTS)
 
 
 def build(model: str):
     torch.manual_seed(0)
-    return MODELS[model]()
+    return DEVICE.put(MODELS[model]())
 
 
 def close(got, expected) -> bool:
-    return torch.allclose(got, expected, rtol=RTOL, atol=ATOL)
+    return torch.allclose(got, expected, **tolerance())
 
 
 def evaluate(model: str, backend: str) -> dict:
     net = build(model).eval()
     ids = input_ids()
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         expected = net(ids).logits
         got = torch.compile(net, backend=backend)(ids).logits
     return {"logits": digest({"logits": got}), "match": close(got, expected)}
@@ -77,9 +99,11 @@ def generate(model: str, backend: str) -> dict:
     net = build(model).eval()
     ids = input_ids()
     options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    expected = net.generate(ids, **options)
+    with autocast():
+        expected = net.generate(ids, **options)
     net.forward = torch.compile(net.forward, backend=backend)
-    got = net.generate(ids, **options)
+    with autocast():
+        got = net.generate(ids, **options)
     return {"tokens": got.tolist(), "match": torch.equal(got, expected)}
 
 
@@ -90,7 +114,8 @@ def steps(model, forward, count: int = 2) -> tuple[list, list]:
     losses, gradients = [], []
     for _ in range(count):
         optimizer.zero_grad(set_to_none=True)
-        loss = forward(ids, labels=ids).loss
+        with autocast():  # the forward and its loss; backward and the step outside, as autocast asks
+            loss = forward(ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
         gradients.append(grads(model))
@@ -101,7 +126,11 @@ def steps(model, forward, count: int = 2) -> tuple[list, list]:
 def compared(net, losses, gradients, expected_losses, expected_grads) -> dict:
     """Losses, gradients and weights after the steps, and whether they match the reference steps'."""
     wrong = sorted(
-        {name for got, expected in zip(gradients, expected_grads) for name in tinysteps.wrong_grads(expected, got)}
+        {
+            name
+            for got, expected in zip(gradients, expected_grads)
+            for name in tinysteps.wrong_grads(expected, got, **tolerance())
+        }
     )
     match = not wrong and all(close(got, expected) for got, expected in zip(losses, expected_losses))
     return {
@@ -148,22 +177,26 @@ def graph_break(function: str, backend: str, how: str) -> dict:
 def fix_keyword(backend: str) -> dict:
     net = build("llama").train()
     ids = input_ids()
-    expected = tinysteps.keyword_driven_grads(net, ids)
+    with autocast():  # one backward each, no step between: the whole of it under autocast
+        expected = tinysteps.keyword_driven_grads(net, ids)
     tinysteps.enable_checkpointing(net, {"use_reentrant": True})
     for layer in net.model.layers:
         layer.compile(backend=backend)
-    got = tinysteps.keyword_driven_grads(net, ids)
-    wrong = tinysteps.wrong_grads(expected, got)
+    with autocast():
+        got = tinysteps.keyword_driven_grads(net, ids)
+    wrong = tinysteps.wrong_grads(expected, got, **tolerance())
     return {"grads": digest(got), "match": not wrong, "wrong": wrong}
 
 
 def fix_frozen_input(backend: str) -> dict:
-    net, loss_of = tinymodels.frozen_input_llama(3)
-    expected = tinysteps.trainable_grads(net, loss_of)
+    net, loss_of = tinymodels.frozen_input_llama(3, device=DEVICE.type)
+    with autocast():
+        expected = tinysteps.trainable_grads(net, loss_of)
     tinysteps.enable_checkpointing(net, {"use_reentrant": True})
     compiled = torch.compile(net, backend=backend)
-    got = tinysteps.trainable_grads(net, lambda _: loss_of(compiled))
-    wrong = tinysteps.wrong_grads(expected, got)
+    with autocast():
+        got = tinysteps.trainable_grads(net, lambda _: loss_of(compiled))
+    wrong = tinysteps.wrong_grads(expected, got, **tolerance())
     return {"grads": digest(got), "match": not wrong, "wrong": wrong}
 
 
@@ -187,7 +220,19 @@ def counted(run):
 
 
 def case(name: str):
-    return counted(plan(name))
+    """The case ``name``: counted, and under bf16 autocast on the test device where it ends in ``/bf16``."""
+    if not name.endswith(BF16):
+        return counted(plan(name))
+    run = counted(plan(name.removesuffix(BF16)))
+
+    def in_bf16() -> dict:
+        Running.device = devices.Device(DEVICE.type, bf16=True)
+        try:
+            return run()
+        finally:
+            Running.device = DEVICE
+
+    return in_bf16
 
 
 def plan(name: str):

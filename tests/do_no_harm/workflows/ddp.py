@@ -25,6 +25,7 @@ import torch
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
+from tests import devices
 from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import MARK, digest, error_of, input_ids, quiet, weights
 
@@ -40,7 +41,7 @@ def train(checkpointing: str, rank: int) -> dict:
         tinysteps.enable_checkpointing(model, {"use_reentrant": checkpointing == "reentrant"})
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = input_ids(vocab=model.config.vocab_size) + rank  # each rank its own batch
+    ids = input_ids(vocab=model.config.vocab_size, device=devices.CPU) + rank  # each rank its own batch (gloo: CPU)
     ids = ids % model.config.vocab_size
     losses = []
     for active in (False, True):

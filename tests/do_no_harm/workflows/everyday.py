@@ -44,6 +44,9 @@
   function's type and the function under its partials), and the modules of the shim that
   interpreter imported (none: a model saved with the shim loads without it and never imports it).
 
+Every case runs on the test device (``SHIM_TEST_DEVICE``: the models, the inputs, and the trainers'
+``use_cpu``), but ``saved-models-load``, whose models load in fresh interpreters on the CPU.
+
 The checkpointing path (``tests/test_checkpointing_path.py``); each records only what upstream and a
 fixed shim share, and says ``skipped`` where its shape does not exist in the installed transformers:
 
@@ -85,17 +88,19 @@ import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes 
 from shim.selfcheck import models as tinymodels
 from shim.selfcheck import steps as tinysteps
 from tests import tinymodels as testmodels
-from tests.do_no_harm.workflows import digest, grads, input_ids, quiet, run_cases, weights
+from tests.do_no_harm.workflows import DEVICE, digest, grads, input_ids, quiet, run_cases, weights
+
+TOLERANCE = DEVICE.tolerance()  # checkpointed against not: tests.devices.GRADIENTS
 
 
 def llama(layers: int = 2):
     torch.manual_seed(0)
-    return tinymodels.tiny_llama(layers)
+    return DEVICE.put(tinymodels.tiny_llama(layers))
 
 
 def qwen2():
     torch.manual_seed(0)
-    return testmodels.tiny_qwen2(2)
+    return DEVICE.put(testmodels.tiny_qwen2(2))
 
 
 def greedy(model) -> list:
@@ -249,7 +254,7 @@ def branch_case(frozen: bool) -> dict:
     if failed:
         raise RuntimeError(f"step {len(got)} of 3: {failed[0]}")
     wrong = [
-        sorted(tinysteps.wrong_grads(want["grads"], step["grads"]))
+        sorted(tinysteps.wrong_grads(want["grads"], step["grads"], **TOLERANCE))
         + ([] if abs(want["loss"] - step["loss"]) <= 1e-6 else ["loss"])
         for want, step in zip(expected, got)
     ]
@@ -276,7 +281,7 @@ def trainer_model_init() -> dict:
             logging_steps=1,
             report_to="none",
             save_strategy="no",
-            use_cpu=True,
+            use_cpu=not DEVICE.cuda,
             seed=0,
             disable_tqdm=True,
         )
@@ -359,7 +364,7 @@ def kbit_prepare() -> dict:
     import peft
 
     def qlora(configured, quantized=True, **prepare_kwargs) -> dict:
-        model = tinymodels.kbit_flagged_llama(2)
+        model = DEVICE.put(tinymodels.kbit_flagged_llama(2))
         model.is_loaded_in_4bit = quantized
         if configured is not None:
             tinysteps.enable_checkpointing(model, configured)
@@ -399,7 +404,7 @@ def keyword_driven():
 
 
 def frozen_input():
-    model, loss_of = tinymodels.frozen_input_llama()
+    model, loss_of = tinymodels.frozen_input_llama(device=DEVICE.type)
     return model, lambda m: tinysteps.trainable_grads(m, loss_of)
 
 
@@ -442,7 +447,7 @@ def reentrant_round_trip_cycle() -> dict:
             records[f"{trip}, {name}"] = {
                 "cycle": cycle,
                 "flags": [layer.gradient_checkpointing for layer in model.model.layers],
-                "wrong": sorted(tinysteps.wrong_grads(reference, grads_of(model))),
+                "wrong": sorted(tinysteps.wrong_grads(reference, grads_of(model), **TOLERANCE)),
             }
     return records
 
@@ -702,7 +707,7 @@ def trl_sft_checkpointing() -> dict:
                 max_length=16,
                 learning_rate=1e-2,
                 logging_steps=1,
-                use_cpu=True,
+                use_cpu=not DEVICE.cuda,
                 report_to="none",
                 save_strategy="no",
                 disable_tqdm=True,

@@ -22,7 +22,7 @@ import shim
 import shim.patches
 from shim import importhooks
 from shim.selfcheck import models as tinymodels
-from tests.do_no_harm.workflows import input_ids, quiet, run_cases
+from tests.do_no_harm.workflows import DEVICE, input_ids, quiet, run_cases
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (shim, shim.patches))
 
@@ -56,7 +56,7 @@ def patched_model():
                 pass
     importhooks.wait(30)
     torch.manual_seed(0)
-    return tinymodels.tiny_llama(2)
+    return DEVICE.put(tinymodels.tiny_llama(2))
 
 
 def traced(work) -> dict:
