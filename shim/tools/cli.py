@@ -5,13 +5,12 @@ console script). The help texts are in ``shim.tools.helptext``."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 
 from .. import __version__
 from ..catalogue import PROVIDER as BUILTIN
@@ -22,6 +21,15 @@ from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
+    from .outlook import Outlook
+
+
+class _HasName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_Named = TypeVar("_Named", bound=_HasName)
 
 COMMANDS = ("status", "doctor", "explain", "run")
 
@@ -91,19 +99,32 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide", action="store_true", help=f"do not fit the table to {WIDTH} columns")
 
 
-def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
-    """The status table: a row per patch, then its summary, the reason for its state and its last
-    effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each)."""
+def by_name(records: Sequence[_Named]) -> list[_Named]:
+    """``records`` in the one order every table of the shim uses: by patch name."""
+    return sorted(records, key=lambda record: record.name)
+
+
+def status_table(records: Sequence[PatchStatus], wide: bool = False, seen: Mapping[str, Outlook] | None = None) -> str:
+    """The status table: a row per patch, by name, then its summary, the reason for its state and
+    its last effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each).
+    ``seen``: each patch's :class:`~shim.tools.outlook.Outlook`, whose state and reason a pending
+    patch shows (``will apply``); the effects column is there only once a patch has changed something."""
     from .report import table
 
-    rows = [
-        [r.name, f"{r.state}, suspended" if r.suspended else r.state, r.installed or "-", r.effects] for r in records
-    ]
-    lines = table(rows, ["patch", "state", "installed", "effects"], right=(3,)).splitlines()
+    records = by_name(records)
+    counted = any(r.effects for r in records)
+    rows: list[list[object]] = []
+    for r in records:
+        state = seen[r.name].state if seen else str(r.state)
+        rows.append([r.name, f"{state}, suspended" if r.suspended else state, r.installed or "-"])
+        if counted:
+            rows[-1].append(r.effects)
+    header = ["patch", "state", "installed", *(["effects"] if counted else [])]
+    lines = table(rows, header, right=(3,)).splitlines()
     out = lines[:2]
     for record, line in zip(records, lines[2:]):
         out.append(line)
-        notes = [record.summary, f"reason: {record.reason}"]
+        notes = [record.summary, f"reason: {seen[record.name].reason if seen else record.reason}"]
         if record.provider not in ("", BUILTIN):  # a patch pack's: say whose
             notes.insert(1, f"from: {record.provider} (a patch pack)")
         if record.suspended:
@@ -112,31 +133,33 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
             notes.append(f"last effect: {record.last_effect}")
         notes += [f"other patcher: {other['text']}" for other in record.others]
         for note in notes:
-            if wide:
-                out.append(f"    {note}")
-            else:
-                out += textwrap.wrap(
-                    note, WIDTH, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False
-                )
+            out += _fitted(note, wide, "    ", "      ")
     out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(out)
 
 
+def _fitted(text: str, wide: bool, indent: str = "", more: str = "  ") -> list[str]:
+    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``."""
+    if wide:
+        return [indent + text]
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
+
+
 def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.import_targets:
-        for name in shim.registry.names:
-            for module_name in shim.registry.patch(name).modules:
-                try:
-                    importlib.import_module(module_name)
-                except Exception:  # not installed, or cannot load (a CUDA-only torch): the status says so
-                    pass
-    records = shim.status()
+        from .targets import import_targets
+
+        import_targets(shim.registry, shim.registry.names)
+    records = by_name(shim.status())
     if args.json:
         print(json.dumps([record.as_dict() for record in records], indent=2))
-    else:
-        print(status_table(records, wide=args.wide))
-        for note in newer_than_measured():
-            print("\n" + (note if args.wide else textwrap.fill(note, WIDTH, subsequent_indent="  ")))
+        return 0
+    from .outlook import outlooks, summary
+
+    seen = outlooks(records, shim.registry)
+    print("\n".join([*_fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
+    for note in newer_than_measured():
+        print("\n" + "\n".join(_fitted(note, args.wide)))
     return 0
 
 
@@ -164,10 +187,15 @@ def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
     return file, None
 
 
+#: doctor's columns; ``bug upstream`` and ``bug with shim`` hold yes, no or -.
+DOCTOR_COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
+
+
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
+    from ..entry import State
     from ..selfcheck.models import quiet_transformers
     from . import doctor
-    from .report import table
+    from .report import column_widths, rule, table_line
 
     json_file, unwritten = None, None
     if args.json_file is not None:  # opened before the run: a file that cannot be written fails at once
@@ -175,8 +203,22 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
         if unwritten:
             args.parser.error(unwritten)
     names = [_known(args, shim, name) for name in args.patches]
+    chosen = sorted(names or shim.registry.names)
     quiet_transformers()
-    findings = doctor.run(shim.registry, names)
+    widths: list[int] = []
+    if not args.json:  # each row is printed as its check finishes: the columns are sized for what can come
+        before = {record.name: record for record in shim.status()}
+        # After its import a pending patch is applied, skipped or failed; a disabled one stays so.
+        states = {str(State.APPLIED), str(State.SKIPPED), str(State.FAILED)} | {str(r.state) for r in before.values()}
+        widest = [[name, before[name].installed or "-", max(states, key=len), "", "", ""] for name in chosen]
+        widths = column_widths([DOCTOR_COLUMNS, *widest])  # the verdict, last, needs no padding
+        print(f"{table_line(DOCTOR_COLUMNS, widths)}\n{rule(widths)}", flush=True)
+    findings = []
+    for finding in doctor.each(shim.registry, names):
+        findings.append(finding)
+        if not args.json:
+            row = [finding.name, finding.installed, finding.state, finding.bug_upstream, finding.bug_with_shim]
+            print(table_line([*row, finding.verdict], widths), flush=True)
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
     if json_file is not None:
         try:
@@ -187,21 +229,17 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.json:
         print(records)
     else:
-        rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
-        print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))
+        print("\n" + "\n".join(_fitted(doctor.total(findings), args.wide)))
         for finding in findings:
             for detail in doctor.below_table(finding):
-                print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
-    for note in doctor.notes():  # on stderr with --json: stdout stays the records
-        print(
-            "\n" + textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  "), file=sys.stderr if args.json else None
-        )
+                print("\n" + "\n".join(_fitted(detail, args.wide)))
+    for note in doctor.notes(
+        doctor.concerned(shim.registry, chosen)
+    ):  # on stderr with --json: stdout stays the records
+        print("\n" + "\n".join(_fitted(f"note: {note}", False)), file=sys.stderr if args.json else None)
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
-        print(
-            "\n" + textwrap.fill(f"doctor: not fixed: {', '.join(failing)}", WIDTH, subsequent_indent="  "),
-            file=sys.stderr,
-        )
+        print("\n" + "\n".join(_fitted(f"doctor: not fixed: {', '.join(failing)}", False)), file=sys.stderr)
     if unwritten:
         say(f"python -m shim doctor: error: {unwritten}")
         return 2  # not 1: the file asked for is missing, whatever the verdicts

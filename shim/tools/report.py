@@ -23,16 +23,28 @@ WIDTH = 100
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:
     """A plain text table; columns listed in ``right`` are right-aligned (numbers)."""
-    cells = [[str(cell) for cell in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    lines = [line(row) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    widths = column_widths([header, *rows])
+    lines = [table_line(row, widths, right) for row in [header, *rows]]
+    lines.insert(1, rule(widths))
     return "\n".join(lines)
+
+
+def column_widths(rows: Sequence[Sequence[object]]) -> list[int]:
+    """The width of each column of ``rows`` (the header among them): its widest cell."""
+    return [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+
+
+def table_line(row: Sequence[object], widths: Sequence[int], right: Sequence[int] = ()) -> str:
+    """One line of a table whose columns are ``widths`` wide (a wider cell pushes the rest along):
+    doctor prints each row as its check finishes, before the others are known."""
+    cells = [str(cell) for cell in row]
+    parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
+    return "  ".join(parts).rstrip()
+
+
+def rule(widths: Sequence[int]) -> str:
+    """The line below a table's header."""
+    return "  ".join("-" * w for w in widths)
 
 
 def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:

@@ -88,6 +88,7 @@ def test_the_engine_never_imports_the_tools_nor_the_self_checks():
 ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
+    "shim.ranges": set(),  # how a version range is written
     "shim.patch": {"shim.settings"},  # a patch's declaration
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
@@ -96,9 +97,15 @@ ROOMS = {
     "shim.rebinding": set(),  # consumers' copies of a target
     "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.runtime", "shim.patch"},  # what one patch installed
     "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, and when to look
-    "shim.gating": {"shim.wrapping", "shim.assigning", "shim.layers", "shim.patch"},  # whether a patch applies
+    "shim.gating": {
+        "shim.wrapping",
+        "shim.assigning",
+        "shim.layers",
+        "shim.patch",
+        "shim.ranges",
+    },  # whether it applies
     "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
-    "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch"},
+    "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch", "shim.ranges"},
     "shim.catalogue": {"shim.patch", "shim.settings"},  # the built-in patches' index
     "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings"},  # other distributions' patches (entry points)
     "shim.registry": {
@@ -141,7 +148,7 @@ def test_the_rooms_drawing_is_the_import_graph():
     text = (ROOT / "docs" / "how-it-works.md").read_text()
     drawing = text.split("### The engine's rooms", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
     drawn = set(re.findall(r"^\s*(\w+) --> (\w+)$", drawing, re.MULTILINE))
-    leaves = {"patch", "settings"}
+    leaves = {"patch", "settings", "ranges"}
     graph = engine_graph()
     real = {
         (room.removeprefix("shim."), imported.removeprefix("shim."))

@@ -48,19 +48,27 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
 
 
 @pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
-def test_doctor_prints_the_note_below_its_table():
-    # The notes are printed whichever patches are checked: one patch's self-check is enough here.
+@pytest.mark.parametrize("patch", ["kbit-prepare-keeps-checkpointing", "checkpointing-restore"])
+def test_doctor_prints_a_note_below_its_table_only_with_the_patches_it_concerns(patch):
+    """The peft note is about peft: ``doctor kbit-prepare-keeps-checkpointing`` (a patch on peft)
+    prints it where the installed peft is older than transformers needs, ``doctor
+    checkpointing-restore`` never does (it printed it for every patch before)."""
     table = run_python(
-        "from shim.tools.cli import main; raise SystemExit(main(['doctor', 'load-keeps-requires-grad']))",
+        f"from shim.tools.cli import main; raise SystemExit(main(['doctor', '{patch}']))",
         timeout=600,
         torch_first=True,
     ).stdout
-    assert table.splitlines()[2].startswith("load-keeps-requires-grad "), "one row: the patch asked for"
-    expected = doctor.notes()
-    assert ("\nnote: transformers " in table) == bool(expected)
-    if expected:
-        assert " ".join(table[table.index("note: ") :].split()) == f"note: {' '.join(expected[0].split())}"
-        assert all(len(line) <= 100 for line in table.splitlines())
+    assert table.splitlines()[2].startswith(f"{patch} "), "one row: the patch asked for"
+    import shim
+
+    about = doctor.concerned(shim.registry, [patch])
+    assert ("peft" in about) == (patch == "kbit-prepare-keeps-checkpointing")
+    peft_notes = [note for note in doctor.notes() if note not in doctor.newer_notes()]
+    shown = " ".join(table.split())
+    for note in doctor.notes():  # each note the environment has: printed exactly with the patches it concerns
+        assert (f"note: {' '.join(note.split())}" in shown) == (note in doctor.notes(about)), note
+    assert all((note in doctor.notes(about)) == ("peft" in about) for note in peft_notes)
+    assert all(len(line) <= 100 for line in table.splitlines())
 
 
 def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_modules):
