@@ -73,7 +73,9 @@ def test_shim_report_1_keeps_the_table_in_patch_name_order():
 
 def test_a_bad_value_warns_and_keeps_the_default_line():
     done = python(ACTED, {"SHIM_REPORT": "loud"})
-    assert "SHIM_REPORT='loud' is not valid; use one of 0, 1, false, no, off, on, true, yes; using one line" in done.stderr
+    assert (
+        "SHIM_REPORT='loud' is not valid; use one of 0, 1, false, no, off, on, true, yes; using one line" in done.stderr
+    )
     assert "2 fixes acted: checkpointing-restore ×2" in done.stderr
 
 
