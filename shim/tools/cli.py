@@ -21,6 +21,7 @@ from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
+    from ..registry import Registry
     from .outlook import Outlook
 
 
@@ -80,10 +81,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the story of a patch's bug: symptom, versions measured, the fix, its limits",
         description="Print the section of docs/bugs.md (shipped with the package) on a patch's bug: the "
         "symptom,\nthe upstream mechanism, the versions measured, what the fix does, its limits and "
-        "the references.",
+        "the references;\nas plain text wrapped to the terminal's width. Without a name: every patch "
+        "and its summary.",
         formatter_class=_formatter,
     )
-    explain.add_argument("patch", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)")
+    explain.add_argument(
+        "patch", nargs="?", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)"
+    )
+    explain.add_argument("--markdown", action="store_true", help=f"print the Markdown, wrapped to {WIDTH} columns")
     explain.set_defaults(parser=explain)
     commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
@@ -296,10 +301,41 @@ def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
 def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import bugdocs
 
+    if args.patch is None:
+        print(patch_list(shim.registry))
+        return 0
     name = _known(args, shim, args.patch)
     text = bugdocs.section(name) or bugdocs.of_pack(shim.registry, name)
     if text is None:
         say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1
-    print(bugdocs.reflow(text, WIDTH))
+    if args.markdown:
+        print(bugdocs.reflow(text, WIDTH))
+    else:
+        print(bugdocs.reflow(text, terminal_width(), plain=True))
     return 0
+
+
+def terminal_width() -> int:
+    """The terminal's columns (``COLUMNS`` where set), :data:`WIDTH` where the output is no terminal;
+    40 at least."""
+    import shutil
+
+    return max(shutil.get_terminal_size((WIDTH, 24)).columns, 40)
+
+
+def patch_list(registry: Registry) -> str:
+    """``explain`` without a name: every patch by name, its summary below it."""
+    from ..catalogue import PROVIDER
+
+    lines = []
+    for name in sorted(registry.names):
+        try:
+            summary = registry.patch(name).summary
+        except Exception as exc:  # a module that cannot be imported: say so, list the rest
+            summary = f"(its module cannot be imported: {exc!r})"
+        provider = getattr(registry.declared(name), "provider", "")
+        lines.append(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""))
+        lines += _fitted(summary, False, "    ", "    ")
+    lines += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
+    return "\n".join(lines)
