@@ -1,6 +1,7 @@
 """``python -m shim explain <patch>`` prints the bug's story from docs/bugs.md (shipped in the wheel), and
 the references in ``shim.status()`` / ``--json`` are ones a user outside the repository can follow."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -108,8 +109,6 @@ def test_explain_without_a_name_lists_every_patch_and_its_summary():
     assert names == sorted(NAMES)
     for name in NAMES:
         below = shown[shown.index(name) + 1 :]
-        summary = " ".join(
-            line.strip() for line in below[: next(i for i, l in enumerate(below) if not l.startswith("    "))]
-        )
+        summary = " ".join(line.strip() for line in itertools.takewhile(lambda line: line.startswith("    "), below))
         assert summary == " ".join(shim.registry.patch(name).summary.split())
     assert shown[-1].startswith("python -m shim explain <patch>: ")
