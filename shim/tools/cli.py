@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import textwrap
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Protocol, TypeVar
@@ -16,7 +15,7 @@ from .. import __version__
 from ..catalogue import PROVIDER as BUILTIN
 from ..settings import shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
-from .report import WIDTH  # the tables, the report and the help texts fit this many columns
+from .report import WIDTH, fitted  # the tables, the report and the help texts fit this many columns
 from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ class _HasName(Protocol):
 
 _Named = TypeVar("_Named", bound=_HasName)
 
-COMMANDS = ("status", "doctor", "explain", "run")
+COMMANDS = ("status", "doctor", "explain", "bug-report", "run")
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -90,6 +89,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--markdown", action="store_true", help=f"print the Markdown, wrapped to {WIDTH} columns")
     explain.set_defaults(parser=explain)
+    report = commands.add_parser(
+        "bug-report",
+        help="what a bug report needs, as Markdown: versions, status, doctor, SHIM_* variables",
+        description="Print, as Markdown to paste into a bug report: the versions of the shim, Python, torch and\n"
+        "every patched library; the status; doctor's table for the patches that apply here (it runs\n"
+        "their self-checks); and the SHIM_* variables set.",
+        formatter_class=_formatter,
+    )
+    report.set_defaults(parser=report)
     commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
@@ -138,16 +146,9 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False, seen: Mappi
             notes.append(f"last effect: {record.last_effect}")
         notes += [f"other patcher: {other['text']}" for other in record.others]
         for note in notes:
-            out += _fitted(note, wide, "    ", "      ")
+            out += fitted(note, wide, "    ", "      ")
     out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(out)
-
-
-def _fitted(text: str, wide: bool, indent: str = "", more: str = "  ") -> list[str]:
-    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``."""
-    if wide:
-        return [indent + text]
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
 
 
 def _status(args: argparse.Namespace, shim: ModuleType) -> int:
@@ -162,9 +163,9 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     from .outlook import outlooks, summary
 
     seen = outlooks(records, shim.registry)
-    print("\n".join([*_fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
+    print("\n".join([*fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
     for note in newer_than_measured():
-        print("\n" + "\n".join(_fitted(note, args.wide)))
+        print("\n" + "\n".join(fitted(note, args.wide)))
     return 0
 
 
@@ -192,15 +193,9 @@ def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
     return file, None
 
 
-#: doctor's columns; ``bug upstream`` and ``bug with shim`` hold yes, no or -.
-DOCTOR_COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
-
-
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
-    from ..entry import State
     from ..selfcheck.models import quiet_transformers
     from . import doctor
-    from .report import column_widths, rule, table_line
 
     json_file, unwritten = None, None
     if args.json_file is not None:  # opened before the run: a file that cannot be written fails at once
@@ -208,22 +203,13 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
         if unwritten:
             args.parser.error(unwritten)
     names = [_known(args, shim, name) for name in args.patches]
-    chosen = sorted(names or shim.registry.names)
     quiet_transformers()
-    widths: list[int] = []
-    if not args.json:  # each row is printed as its check finishes: the columns are sized for what can come
-        before = {record.name: record for record in shim.status()}
-        # After its import a pending patch is applied, skipped or failed; a disabled one stays so.
-        states = {str(State.APPLIED), str(State.SKIPPED), str(State.FAILED)} | {str(r.state) for r in before.values()}
-        widest = [[name, before[name].installed or "-", max(states, key=len), "", "", ""] for name in chosen]
-        widths = column_widths([DOCTOR_COLUMNS, *widest])  # the verdict, last, needs no padding
-        print(f"{table_line(DOCTOR_COLUMNS, widths)}\n{rule(widths)}", flush=True)
-    findings = []
-    for finding in doctor.each(shim.registry, names):
-        findings.append(finding)
-        if not args.json:
-            row = [finding.name, finding.installed, finding.state, finding.bug_upstream, finding.bug_with_shim]
-            print(table_line([*row, finding.verdict], widths), flush=True)
+    if args.json:
+        findings = doctor.run(shim.registry, names)
+        for note in doctor.notes(doctor.concerned(shim.registry, [f.name for f in findings])):
+            print("\n" + "\n".join(fitted(f"note: {note}")), file=sys.stderr)  # stdout stays the records
+    else:
+        findings = doctor.print_table(shim.registry, names, args.wide, lambda text: print(text, flush=True))
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
     if json_file is not None:
         try:
@@ -233,18 +219,9 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             unwritten = f"--json-file {as_given(args.json_file, 200)}: {exc.strerror or exc}"
     if args.json:
         print(records)
-    else:
-        print("\n" + "\n".join(_fitted(doctor.total(findings), args.wide)))
-        for finding in findings:
-            for detail in doctor.below_table(finding):
-                print("\n" + "\n".join(_fitted(detail, args.wide)))
-    for note in doctor.notes(
-        doctor.concerned(shim.registry, chosen)
-    ):  # on stderr with --json: stdout stays the records
-        print("\n" + "\n".join(_fitted(f"note: {note}", False)), file=sys.stderr if args.json else None)
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
-        print("\n" + "\n".join(_fitted(f"doctor: not fixed: {', '.join(failing)}", False)), file=sys.stderr)
+        print("\n" + "\n".join(fitted(f"doctor: not fixed: {', '.join(failing)}")), file=sys.stderr)
     if unwritten:
         say(f"python -m shim doctor: error: {unwritten}")
         return 2  # not 1: the file asked for is missing, whatever the verdicts
@@ -258,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
+    from .report import silence_at_exit
+
+    silence_at_exit()  # doctor's self-checks act: no line about them at exit
     lenient(sys.stdout)  # PYTHONIOENCODING=ascii: explain's en dashes print as \u2013
     problem = cannot_write(sys.stdout)
     if problem:  # python -m shim >&-: said before any work, as a command line that cannot be used
@@ -277,7 +257,7 @@ def _command(argv: list[str]) -> int:
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        parser.error(f"unknown command {shown(argv[0])}; the commands are {', '.join(COMMANDS)}")
+        parser.error(f"no command {shown(argv[0])}; use {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # shown with the usage of the command they were given to, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -285,6 +265,13 @@ def _command(argv: list[str]) -> int:
 
     if args.command == "explain":
         return _explain(args, shim)
+    if args.command == "bug-report":
+        from ..selfcheck.models import quiet_transformers
+        from .bugreport import write_report
+
+        quiet_transformers()
+        write_report(shim.registry, lambda text: print(text, flush=True))
+        return 0
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
 
 
@@ -336,6 +323,6 @@ def patch_list(registry: Registry) -> str:
             summary = f"(its module cannot be imported: {exc!r})"
         provider = getattr(registry.declared(name), "provider", "")
         lines.append(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""))
-        lines += _fitted(summary, False, "    ", "    ")
+        lines += fitted(summary, False, "    ", "    ")
     lines += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(lines)

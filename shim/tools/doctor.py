@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import gating
 from ..catalogue import PROVIDER as BUILTIN
-from ..entry import APPLIED, DISABLED
+from ..entry import APPLIED, DISABLED, FAILED, SKIPPED
 from ..registry import Registry
 from .targets import import_targets
 
@@ -231,3 +231,35 @@ def notes(about: Collection[str] | None = None) -> list[str]:
         minimum = None
     note = peft_note(gating.installed_version("transformers"), gating.installed_version("peft"), minimum)
     return newer_notes(about) + ([note] if note else [])
+
+
+#: doctor's columns; ``bug upstream`` and ``bug with shim`` hold yes, no or -.
+COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
+
+
+def print_table(registry: Registry, names: Sequence[str], wide: bool, write: Callable[[str], None]) -> list[Finding]:
+    """doctor's table, written through ``write``: the header at once, each row as its check finishes,
+    then the total, the reasons of the verdicts that need one and the notes that concern these
+    patches, each fitted to :data:`~shim.tools.report.WIDTH` columns unless ``wide``."""
+    from .report import column_widths, fitted, rule, table_line
+
+    chosen = sorted(names or registry.names)
+    before = {record.name: record for record in registry.status()}
+    # After its import a pending patch is applied, skipped or failed; a disabled one stays so: the
+    # columns are sized for what can come, before it does.
+    states = {str(APPLIED), str(SKIPPED), str(FAILED)} | {str(before[name].state) for name in chosen}
+    widest = [[name, before[name].installed or "-", max(states, key=len), "", "", ""] for name in chosen]
+    widths = column_widths([COLUMNS, *widest])  # the verdict, last, needs no padding
+    write(f"{table_line(COLUMNS, widths)}\n{rule(widths)}")
+    findings = []
+    for finding in each(registry, names):
+        findings.append(finding)
+        row = [finding.name, finding.installed, finding.state, finding.bug_upstream, finding.bug_with_shim]
+        write(table_line([*row, finding.verdict], widths))
+    write("\n" + "\n".join(fitted(total(findings), wide)))
+    for finding in findings:
+        for detail in below_table(finding):
+            write("\n" + "\n".join(fitted(detail, wide)))
+    for note in notes(concerned(registry, chosen)):
+        write("\n" + "\n".join(fitted(f"note: {note}")))
+    return findings

@@ -15,7 +15,9 @@ commands:
   status    (default) one row per patch: state, installed version, effects so far, the reason;
             the patch's one-line summary below it
   doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
-  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits
+  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits;
+            without a name, every patch and its summary
+  bug-report  the versions, the status, doctor and the SHIM_* variables, as Markdown to paste
   run       run [--] <command ...> with the shim imported first in every Python process it starts
             (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 #: How long local rank 0 waits at exit for the files of the other ranks of its machine.
-JOIN_TIMEOUT = 2.0
+JOIN_TIMEOUT = 5.0
 _POLL = 0.02
 #: A job's folder left behind (a rank that never finished, a job killed at exit) is removed by a job
 #: started this many seconds later.

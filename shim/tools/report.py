@@ -49,6 +49,11 @@ def rule(widths: Sequence[int]) -> str:
     return "  ".join("-" * w for w in widths)
 
 
+def fitted(text: str, wide: bool = False, indent: str = "", more: str = "  ") -> list[str]:
+    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``."""
+    return [indent + text] if wide else _wrap(text, WIDTH, indent, more)
+
+
 def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:
     return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
 
@@ -165,6 +170,12 @@ def report_at_exit(table: bool = True) -> None:
     if table not in _registered:  # called by ``import shim``: under the import lock
         _registered.add(table)
         atexit.register(at_exit, table)
+
+
+def silence_at_exit() -> None:
+    """Say nothing at exit in this process: ``python -m shim``'s own, whose effects are its self-checks'."""
+    global _said
+    _said = True
 
 
 def at_exit(table: bool) -> None:

@@ -125,7 +125,7 @@ def test_doctor_runs_the_packs_self_check(site):
 
 
 def test_explain_prints_the_patchs_own_text(site):
-    out = run(site, sys.executable, "-m", "shim", "explain", NAME).stdout
+    out = run(site, sys.executable, "-m", "shim", "explain", NAME, "--markdown").stdout
     assert out.startswith(f"## {NAME}\n\nthe mean loss of an empty accumulation window is 0.0")
     assert "From the patch pack shim-example-pack 0.1.0 (entry point hf_train_shim.patches:" in out
     assert "Symptom: ``shim_example_pack.losses.mean_loss([])`` raises ``ZeroDivisionError``" in out
