@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 from ..packs import GROUP, Pack
+from ..ranges import version_range
 from ..records import links
 from ..registry import Registry
 
@@ -59,7 +60,7 @@ def of_pack(registry: Registry, name: str) -> str | None:
         patch.summary,
         "",
         f"From the patch pack {declared.provider} {declared.version} (entry point {GROUP}: "
-        f"{declared.entry_point}); it applies to {patch.requirement}.",
+        f"{declared.entry_point}); it applies to {patch.distribution}{version_range(patch.requires)}.",
         "",
         story or f"{declared.module} has no docstring: the pack's author writes the story there.",
     ]

@@ -178,3 +178,21 @@ def test_doctor_says_which_installed_releases_are_newer_than_any_measured(monkey
         assert notes == doctor.notes()[: len(notes)]
     finally:
         gating.newest_measured.cache_clear()
+
+
+def test_a_packs_check_runs_where_torch_cannot_be_imported_a_builtins_cannot(fake_modules, monkeypatch):
+    """A built-in's self-check trains on torch: without it doctor says it cannot check here. A patch
+    pack's check needs only what its author says, so it runs, and a check that needed torch after all
+    is its own error."""
+    from shim.catalogue import PROVIDER
+
+    pkg = fake_modules(target="def f():\n    return 1\n")
+    importlib.import_module(f"{pkg}.target")
+    builtin = make_patch(pkg, name="built-in", self_check=lambda: True)
+    object.__setattr__(builtin, "provider", PROVIDER)  # as the catalogue's listings say
+    registry = Registry([builtin, make_patch(pkg, name="from-a-pack", self_check=lambda: True)])
+    registry.activate()
+    monkeypatch.setitem(sys.modules, "torch", None)  # Python's way to make a module unimportable
+    findings = {finding.name: finding for finding in doctor.run(registry)}
+    assert findings["built-in"].verdict == doctor.CANNOT_CHECK
+    assert findings["from-a-pack"].verdict == doctor.NOT_FIXED, "its check ran: the bug shows with it on"
