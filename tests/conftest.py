@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 
 import shim  # noqa: F401  (the shim is active for every in-process test, as for a user)
+from shim.tools.report import silence_at_exit
+
+# The suite's own processes: their effects are the tests', not a run's; a fresh interpreter a test
+# starts says what it says at exit, as for a user (tests/tools/test_exit_report.py).
+silence_at_exit()
 
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()

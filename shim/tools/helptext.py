@@ -6,7 +6,8 @@ environment variables (read when a patch applies, so set them before importing t
   SHIM_FORCE=name,name           apply these patches even outside their version gate
   SHIM_STRICT=1                  a patch that should apply but cannot raises shim.PatchError
   SHIM_LOG_LEVEL=INFO            show the shim's log lines (what applied, first effects) on stderr
-  SHIM_REPORT=1                  print the effects table to stderr when the process exits"""
+  SHIM_REPORT=1 | 0              at exit, on stderr: the effects table | nothing (unset: one line
+                                 where a fix acted; under torchrun one for the job)"""
 
 DESCRIPTION = """\
 hf-train-shim: what the shim did in this environment, and whether the bugs it fixes are there.
