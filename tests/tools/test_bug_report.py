@@ -10,6 +10,7 @@ import pytest
 
 import shim
 from shim import gating
+from shim.patches import INDEX
 from shim.tools import bugreport
 from tests.conftest import ROOT, clean_environment
 
@@ -34,7 +35,7 @@ def run(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def env():
-    opted_out = [name for name in shim.registry.names if name not in KEPT]
+    opted_out = [row["name"] for row in INDEX if row["name"] not in KEPT]
     return {"SHIM_DISABLE": ",".join(opted_out), "SHIM_LOG_LEVEL": "\x1b[31mloud\x07"}
 
 
