@@ -196,3 +196,53 @@ def test_a_packs_check_runs_where_torch_cannot_be_imported_a_builtins_cannot(fak
     findings = {finding.name: finding for finding in doctor.run(registry)}
     assert findings["built-in"].verdict == doctor.CANNOT_CHECK
     assert findings["from-a-pack"].verdict == doctor.NOT_FIXED, "its check ran: the bug shows with it on"
+
+
+def test_doctor_prints_each_row_as_its_check_finishes_then_a_total():
+    """The header comes at once and each row when its check is done (flushed through a pipe), not
+    everything at the end; then the total. The checks take seconds: the lines arrive spread out."""
+    import time
+
+    patches = ["checkpointing-restore", "input-grad-hook-dedupe"]
+    arrived = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "shim", "doctor", *patches],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as process:
+        for line in process.stdout:
+            arrived.append((time.monotonic(), line.rstrip("\n")))
+        process.wait(timeout=600)
+    lines = [line for _, line in arrived]
+    assert lines[0].split()[:2] == ["patch", "installed"] and [line.split()[0] for line in lines[2:4]] == patches
+    total = next(line for line in lines if line.startswith("doctor: "))
+    assert total.startswith("doctor: 2 patches checked: ")
+    header_at, first_row_at = arrived[0][0], arrived[2][0]
+    assert first_row_at - header_at > 0.2, "the header is printed before the first check runs"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+def test_doctor_shows_no_warning_its_own_imports_cause():
+    """trl warns on every import of trl.experimental; doctor imports trl.experimental.utils (the
+    target of kbit-prepare-keeps-checkpointing) and hides that notice, and only around its import."""
+    plain = "import warnings; warnings.simplefilter('always'); import trl.experimental.utils"
+    shown = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300)
+    assert "TRLExperimentalWarning" in shown.stderr, "the notice doctor hides: there without it"
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "shim", "doctor", "kbit-prepare-keeps-checkpointing"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "TRLExperimentalWarning" not in done.stderr, done.stderr
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "from shim.tools.targets import import_quietly\n"
+        "import_quietly('trl.experimental.utils')\n"
+        "warnings.warn('still shown', UserWarning)\n"
+    )
+    quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "TRLExperimentalWarning" not in quiet.stderr and "still shown" in quiet.stderr
