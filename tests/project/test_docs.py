@@ -197,3 +197,9 @@ def test_the_pack_guide_holds_the_example_pack_to_copy_verbatim():
     assert 'distribution="transformers"' in fixes and "shim-example-pack" not in fixes.split("PATCH = ", 1)[1]
     for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "self-check"):
         assert said in guide, said
+
+
+def test_the_index_of_docs_bugs_lists_every_patch_by_name():
+    """One row order everywhere: the index at the top of docs/bugs.md too."""
+    rows = re.findall(r"^\| \[`([a-z0-9-]+)`\]\(#", BUGS.read_text(), flags=re.MULTILINE)
+    assert rows == sorted(NAMES)
