@@ -24,11 +24,13 @@ commands:
 
 STATES = """\
 states:
-  applied   in place: its wrappers act while it is switched on
-  pending   its target module is not imported yet: it applies right after that import
-  skipped   not needed or not safe here (outside its gate, library not installed, code changed)
-  disabled  switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
-  failed    wrapping raised and was rolled back, or another patcher replaced its layer
+  applied     in place: its wrappers act while it is switched on
+  will apply  its target module is not imported yet; its gate and the installed versions admit it:
+              it applies right after that import (shim.status() and --json say pending)
+  will skip   its target module is not imported yet, and no target of it is for these versions
+  skipped     not needed or not safe here (outside its gate, library not installed, code changed)
+  disabled    switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
+  failed      wrapping raised and was rolled back, or another patcher replaced its layer
   (a state followed by ", suspended": off inside a shim.disabled() block)"""
 
 EXIT_CODES = """\

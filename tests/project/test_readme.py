@@ -72,3 +72,9 @@ def test_the_matrix_of_cells_lives_in_docs_testing_by_patch_name():
     )
     assert [row.split("`")[1] for row in rows] == NAMES
     assert "cell-matrix" not in README and "| cell | transformers |" not in README
+
+
+def test_the_patch_table_lists_every_patch_by_name():
+    table = README.split("## Patches", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.MULTILINE)
+    assert rows == NAMES
