@@ -64,6 +64,21 @@ def fake_modules(tmp_path, monkeypatch):
     return make
 
 
+def python_m_shim(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m shim ARGS`` in a fresh interpreter, as a user runs it (the SHIM_* variables only
+    from ``env``); it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shim", *args],
+        env=clean_environment(env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def clean_environment(env: dict | None = None) -> dict:
     """This process's environment without the SHIM_* variables, then ``env``: a fresh interpreter's
     switches are only those a test sets."""

@@ -3,8 +3,6 @@ doctor's table for the patches that apply and the SHIM_* variables set, escaped.
 
 import importlib.metadata
 import platform
-import subprocess
-import sys
 
 import pytest
 
@@ -12,25 +10,12 @@ import shim
 from shim import gating
 from shim.patches import INDEX
 from shim.tools import bugreport
-from tests.conftest import ROOT, clean_environment
+from tests.conftest import python_m_shim
 
 pytestmark = pytest.mark.any_version  # what it prints is read from whatever is installed
 
 #: Two patches left on (doctor checks them), the rest opted out, and a value with a control character.
 KEPT = ("checkpointing-restore", "input-grad-hook-dedupe")
-
-
-def run(*args: str, env: dict) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "shim", *args],
-        env=clean_environment(env),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +26,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def shown(env):
-    return run("bug-report", env=env).stdout
+    return python_m_shim("bug-report", env=env).stdout
 
 
 def test_it_names_the_shim_python_torch_and_every_patched_distribution(shown):
@@ -55,7 +40,7 @@ def test_it_names_the_shim_python_torch_and_every_patched_distribution(shown):
 
 
 def test_it_holds_the_status_as_python_m_shim_opens_it(shown, env):
-    first = run(env=env).stdout.split("\n\n")[0]  # the summary line, wrapped
+    first = python_m_shim(env=env).stdout.split("\n\n")[0]  # the summary line, wrapped
     assert f"### Status\n\n{' '.join(first.split())}\n" in shown
     assert "```text\npatch " in shown and "<details><summary>python -m shim</summary>" in shown
 

@@ -4,8 +4,6 @@ the gates decide it when the targets are imported; the effects column only once 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from shim import Registry
 from shim.patches import INDEX
 from shim.tools import outlook
 from shim.tools.cli import status_table
-from tests.conftest import ROOT, clean_environment
+from tests.conftest import ROOT, python_m_shim
 from tests.engine.fakes import make_patch
 
 pytestmark = pytest.mark.any_version  # the prediction is checked against the import, whatever is installed
@@ -23,16 +21,7 @@ BUILTINS = sorted(row["name"] for row in INDEX)
 
 
 def cli(*args: str, env: dict | None = None) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "shim", *args],
-        env=clean_environment(env),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    return python_m_shim(*args, env=env, timeout=300).stdout
 
 
 def rows(shown: str) -> dict[str, str]:
