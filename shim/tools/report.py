@@ -127,7 +127,8 @@ def acted_line(
 ) -> str:
     """The line said at exit where a fix acted: ``hf-train-shim: 2 fixes acted: checkpointing-restore
     ×4, input-grad-hook-dedupe ×3 (SHIM_REPORT=1 for the table)``; ``""`` where none did. ``ranks``:
-    the ranks each fix acted in, where not in all of a job's."""
+    the ranks each fix acted in, where not in all of a job's. One line however long, not fitted to
+    :data:`WIDTH` like the tables: a log is searched for it line by line (``grep hf-train-shim``)."""
     acted = sorted(name for name, count in effects.items() if count)
     if not acted:
         return ""
@@ -135,9 +136,7 @@ def acted_line(
     each = [f"{name} ×{effects[name]}" + (f" ({ranks[name]})" if ranks.get(name) else "") for name in acted]
     head = "hf-train-shim" + (f" ({who})" if who else "")
     fixes = f"{len(acted)} {'fix' if len(acted) == 1 else 'fixes'} acted"
-    text = f"{head}: {fixes}: {', '.join(each)} (SHIM_REPORT=1 for the table)"
-    width = max(WIDTH - len(prefix), 40)
-    return "\n".join(prefix + line for line in _wrap(text, width, "", "  "))
+    return f"{prefix}{head}: {fixes}: {', '.join(each)} (SHIM_REPORT=1 for the table)"
 
 
 def rank_list(ranks: Iterable[int]) -> str:

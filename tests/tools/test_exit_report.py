@@ -41,9 +41,9 @@ def python(code: str, env: dict | None = None, cwd=ROOT) -> subprocess.Completed
 def test_one_line_at_exit_where_a_fix_acted_by_patch_name_and_nothing_imported():
     done = python(ACTED)
     assert done.stderr == (
-        "hf-train-shim (pid {pid}, no target module imported): 2 fixes acted: checkpointing-restore ×2,\n"
-        "  input-grad-hook-dedupe ×3 (SHIM_REPORT=1 for the table)\n"
-    ).format(pid=done.stderr.split("pid ")[1].split(",")[0])
+        "hf-train-shim (pid {pid}, no target module imported): 2 fixes acted: checkpointing-restore ×2, "
+        "input-grad-hook-dedupe ×3 (SHIM_REPORT=1 for the table)\n"
+    ).format(pid=done.stderr.split("pid ")[1].split(",")[0]), "one line, however long"
     assert done.stdout == "torch imported at exit: False\n", "the line reads the ledger: no status, no import"
 
 
@@ -114,7 +114,8 @@ SHIM_RUN = (str(os.path.join(os.path.dirname(sys.executable), "shim-run")),)
 def test_under_torchrun_one_line_for_the_job(tmp_path, launcher):
     lines = [line for line in torchrun(tmp_path, {}, launcher).stderr.splitlines() if "hf-train-shim" in line]
     assert lines == [
-        "hf-train-shim (ranks 0-1): 2 fixes acted: checkpointing-restore ×2, load-keeps-requires-grad ×1"
+        "hf-train-shim (ranks 0-1): 2 fixes acted: checkpointing-restore ×2, load-keeps-requires-grad ×1 (rank 0) "
+        "(SHIM_REPORT=1 for the table)"
     ], lines
 
 
@@ -138,8 +139,10 @@ def test_a_rank_that_finishes_late_says_its_own_line_and_none_is_lost(tmp_path):
     lines = [line for line in torchrun(tmp_path, sleep).stderr.splitlines() if "hf-train-shim" in line]
     assert sorted(lines) == sorted(
         [
-            "hf-train-shim (rank 0; 1 of 2 had not finished): 2 fixes acted: checkpointing-restore ×1,",
-            "[rank 1] hf-train-shim (finished after the job's report): 1 fix acted: checkpointing-restore ×1",
+            "hf-train-shim (rank 0; 1 of 2 had not finished): 2 fixes acted: checkpointing-restore ×1, "
+            "load-keeps-requires-grad ×1 (SHIM_REPORT=1 for the table)",
+            "[rank 1] hf-train-shim (finished after the job's report): 1 fix acted: checkpointing-restore ×1 "
+            "(SHIM_REPORT=1 for the table)",
         ]
     ), lines
 
@@ -163,8 +166,8 @@ def test_the_job_report_merges_ranks_and_names_where_each_fix_acted():
         ]
     )
     assert report.job_report(joined, 3, table=False) == (
-        "hf-train-shim (ranks 0-1; 1 of 3 had not finished): 2 fixes acted: a-fix ×1 (rank 0), b-fix ×5\n"
-        "  (SHIM_REPORT=1 for the table)"
+        "hf-train-shim (ranks 0-1; 1 of 3 had not finished): 2 fixes acted: a-fix ×1 (rank 0), b-fix ×5 "
+        "(SHIM_REPORT=1 for the table)"
     )
     assert [report.rank_list(r) for r in ([3], [0, 1, 2], [0, 2], [0, 1, 3])] == [
         "rank 3",
