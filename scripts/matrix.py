@@ -9,8 +9,9 @@ of the tests (``--jobs``). In each cell the script runs tests (doctor-only edge 
 the default cell each patch's own tests and the everyday workflows, :func:`matrixlib.runs.cell_tests`,
 or the focused cell's own list) and ``python -m shim doctor --json-file``, saving doctor's table, its
 findings and the cell's versions under ``doctor-reports/<cell>/``. Then it checks every patch's version
-gate against what doctor measured, regenerates the README's compatibility table and the measured
-ranges the shim ships (``shim/measured.json``), and checks both against the files.
+gate against what doctor measured, regenerates the README's compatibility table (one version range per
+patch, and what the cells measured), the matrix of every cell's verdicts in docs/testing.md and the
+measured ranges the shim ships (``shim/measured.json``), and checks them against the files.
 
 The gate check, for every patch (a new patch is a new row, nothing to configure) and every cell:
 
@@ -22,19 +23,19 @@ The gate check, for every patch (a new patch is a new row, nothing to configure)
 
 The ``latest`` cell is built from the newest releases on the index when it runs (nothing pinned but the
 test tools): doctor and the checkpointing families, and the same gate check for it alone, printed as its
-verdict. It never fails the matrix and is in neither the README table nor ``shim/measured.json``: a new
+verdict. It never fails the matrix and is in none of the tables nor ``shim/measured.json``: a new
 upstream release shows there the first day the matrix runs after it.
 
 Usage (stdlib only, any python3 >= 3.10; run from anywhere)::
 
-    python3 scripts/matrix.py                      # every cell, then the gate check and README check
-    python3 scripts/matrix.py tf5.0-trl0.29        # some cells (README check needs all reports)
+    python3 scripts/matrix.py                      # every cell, then the gate check and the tables' check
+    python3 scripts/matrix.py tf5.0-trl0.29        # some cells (the tables' check needs all reports)
     python3 scripts/matrix.py latest               # the newest releases today: its verdict (exit 0)
     python3 scripts/matrix.py --without latest     # every other cell
     python3 scripts/matrix.py --skip-suite default # CI: .ci/run's first line ran the default suite
     python3 scripts/matrix.py --doctor-only        # every cell, doctor but no suite: a quick gate check
     python3 scripts/matrix.py --report-only        # no runs: check and table from doctor-reports/
-    python3 scripts/matrix.py --write-readme       # rewrite the README table and shim/measured.json
+    python3 scripts/matrix.py --write-readme       # rewrite the two tables and shim/measured.json
     python3 scripts/matrix.py --lock tf5.0-trl0.29 # re-resolve a cell's top pins, write full pins
     python3 scripts/matrix.py --jobs 0             # build each cell just before its tests (no overlap)
     python3 scripts/matrix.py --build-only         # build every cell, run nothing
@@ -43,7 +44,7 @@ Usage (stdlib only, any python3 >= 3.10; run from anywhere)::
 
 The code is the package ``scripts/matrixlib/``, one module per job: ``cells`` (the cells and their
 builds), ``runs`` (suites and doctor in each cell), ``lock`` (``--lock``), ``gates`` (the gate
-check), ``table`` (the README table) and ``measured`` (``shim/measured.json``). This file is the
+check), ``table`` (the two tables) and ``measured`` (``shim/measured.json``). This file is the
 command line.
 """
 
@@ -66,7 +67,7 @@ from matrixlib.cells import BY_NAME, CELLS, say  # noqa: E402
 from matrixlib.gates import check, load_reports  # noqa: E402
 from matrixlib.lock import lock  # noqa: E402
 from matrixlib.runs import build_cells, run_cells  # noqa: E402
-from matrixlib.table import readme_block, render, write_readme  # noqa: E402
+from matrixlib.table import block, render, render_ranges, write_block  # noqa: E402
 
 #: The cells whose measurements decide: every cell but the latest (its verdict is printed, never failing).
 MEASURED = [cell for cell in CELLS if not cell.latest]
@@ -101,12 +102,12 @@ def main(argv=None) -> int:
         metavar="DIR",
         type=Path,
         help="share the cells with other runs given the same DIR: each cell is run by the first to reach it; "
-        "the gate, README and measured checks are left to a later --report-only (CI: its two lanes)",
+        "the gate, table and measured checks are left to a later --report-only (CI: its two lanes)",
     )
     parser.add_argument(
         "--write-readme",
         action="store_true",
-        help="rewrite the README table and shim/measured.json instead of checking them",
+        help="rewrite the README's table, docs/testing.md's cells and shim/measured.json instead of checking them",
     )
     parser.add_argument("--lock", metavar="CELL", help="re-resolve CELL's top pins and write its full pins")
     parser.add_argument(
@@ -176,18 +177,19 @@ def main(argv=None) -> int:
     if not problems:
         say(f"  every gate holds in {len(reports)} cells")
 
-    table = render(reports)
+    tables = {"README.md": render_ranges(reports), "docs/testing.md": render(reports)}
     ranges = measured.render(reports)
     files_ok = True
     if missing:
-        say(f"\nREADME table and shim/measured.json not checked: no reports for {', '.join(missing)} (run all cells)")
+        say(f"\nthe tables and shim/measured.json not checked: no reports for {', '.join(missing)} (run all cells)")
     elif args.write_readme:
-        write_readme(table)
+        for name, table in tables.items():
+            write_block(name, table)
         measured.write(ranges)
-        say("\nREADME compatibility table and shim/measured.json rewritten from doctor-reports/")
+        say("\nthe README's and docs/testing.md's tables and shim/measured.json rewritten from doctor-reports/")
     else:
         for what, current, now in (
-            ("README.md", readme_block(), table),
+            *((name, block(name), table) for name, table in tables.items()),
             ("shim/measured.json", measured.current(), ranges),
         ):
             if current == now:

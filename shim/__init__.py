@@ -8,7 +8,8 @@ transformers, nor any patch module before one of its targets is imported.
 Public API::
 
     shim.status()                     # one PatchStatus per patch: state, reason, effects
-    shim.report()                     # the effects table (also printed at exit with SHIM_REPORT=1)
+    shim.report()                     # the effects table (printed at exit with SHIM_REPORT=1; by default
+                                      # one line there where a fix acted, SHIM_REPORT=0 for none)
     shim.activate(); shim.deactivate()
     shim.enable(*names); shim.disable(*names)
     with shim.disabled(*names): ...   # no names = all
@@ -31,6 +32,7 @@ when asked: a status, doctor, the exit report, ``SHIM_LOG_LEVEL=DEBUG``, or
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 
@@ -85,6 +87,12 @@ def __getattr__(name: str) -> object:
     return value
 
 
+def _report_at_exit(table: bool) -> None:
+    from .tools.report import at_exit
+
+    at_exit(table)
+
+
 def report() -> str:
     """The effects table: which patches changed something in this process, how often, the last what."""
     from .tools.report import report as effects_table
@@ -117,10 +125,11 @@ register = registry.register
 switch_of = registry.switch_of
 notice_others = registry.notice_others
 
-if settings.flag("SHIM_REPORT"):
-    from .tools.report import report_at_exit
-
-    report_at_exit()
+# What the shim did, said on stderr at exit: one line where a fix acted, the effects table with
+# SHIM_REPORT=1, nothing with SHIM_REPORT=0. Registered here, imported only at exit (shim.tools.report).
+_report = settings.switch("SHIM_REPORT", default="one line at exit where a fix acted")
+if _report is not False:
+    atexit.register(_report_at_exit, _report is True)
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
 # after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit

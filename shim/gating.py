@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .ranges import version_range
+
 if TYPE_CHECKING:
     from .layers import Resolved
     from .patch import Declared, Patch, Target
@@ -85,7 +87,9 @@ def check_versions(distribution: str, specifier: SpecifierSet) -> VersionCheck:
     shown = installed if gated_as == installed else f"{installed} (gated as {gated_as})"
     admitted = specifier.contains(gated_as, prereleases=True)
     verdict = "inside" if admitted else "outside"
-    return VersionCheck(admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {specifier}")
+    return VersionCheck(
+        admitted, installed, gated_as, f"{distribution} {shown} is {verdict} {version_range(specifier)}"
+    )
 
 
 # -- the releases the shim was measured on ---------------------------------------------------------

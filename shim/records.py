@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import gating, runtime
 from .entry import State
+from .ranges import version_range
 
 if TYPE_CHECKING:
     from .entry import Entry
@@ -87,7 +88,7 @@ def status_of(entry: Entry) -> PatchStatus:
         state=entry.state,
         reason=reason,
         targets=tuple(t.spec for t in patch.targets) if patch else (),
-        requires=f"{declared.distribution}{declared.requires}",
+        requires=f"{declared.distribution}{version_range(declared.requires)}",
         installed=installed,
         summary=patch.summary if patch else "",
         references=links(patch.references) if patch else (),

@@ -177,15 +177,25 @@ def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[boo
 
 
 def flag(variable: str) -> bool:
-    """A boolean variable; a value that is neither true nor false warns and reads as off."""
+    """A boolean variable; unset, or a value that is neither true nor false (which warns), reads as off."""
+    return switch(variable) is True
+
+
+def switch(variable: str, default: str = "off") -> bool | None:
+    """A boolean variable that can also be left unset: ``True``, ``False``, or ``None`` where it is
+    unset or empty. A value that is neither true nor false warns, naming ``default`` (what unset
+    means), and reads as unset."""
     raw = os.environ.get(variable, "").strip().lower()
+    if not raw:
+        return None
     if raw in TRUE:
         return True
-    if raw not in FALSE:
-        warn_once(
-            f"{variable}={shown(raw)} is not valid; use one of {', '.join(sorted(TRUE | FALSE - {''}))}; using off"
-        )
-    return False
+    if raw in FALSE:
+        return False
+    warn_once(
+        f"{variable}={shown(raw)} is not valid; use one of {', '.join(sorted(TRUE | FALSE - {''}))}; using {default}"
+    )
+    return None
 
 
 def read(known: Iterable[str]) -> Settings:

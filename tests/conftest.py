@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 import shim  # noqa: F401  (the shim is active for every in-process test, as for a user)
+from shim.tools.report import silence_at_exit
 from tests import devices
+
+# The suite's own processes: their effects are the tests', not a run's; a fresh interpreter a test
+# starts says what it says at exit, as for a user (tests/tools/test_exit_report.py).
+silence_at_exit()
 
 ROOT = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
@@ -105,6 +110,21 @@ def fake_modules(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(tmp_path))
     return make
+
+
+def python_m_shim(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m shim ARGS`` in a fresh interpreter, as a user runs it (the SHIM_* variables only
+    from ``env``); it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shim", *args],
+        env=clean_environment(env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 def clean_environment(env: dict | None = None) -> dict:

@@ -22,21 +22,21 @@ class Cell:
     #: A focused cell (the default stack with one package changed): only these tests, instead of
     #: every patch's own (:func:`.runs.cell_tests`), the tests of the patches on that package.
     tests: tuple[str, ...] = ()
-    #: What the README table says the cell runs, for a focused cell whose tests are too many to name.
+    #: What the table of cells says the cell runs, for a focused cell whose tests are too many to name.
     runs: str = ""
     #: Dependencies the cell is built without (``SHIM_EXCLUDE``, uv's ``--excludes``), each with why:
-    #: a release that requires a package the package index cannot meet. The README table names them.
+    #: a release that requires a package the package index cannot meet. The table of cells names them.
     without: tuple[tuple[str, str], ...] = ()
-    #: Environment variables the cell's suite and doctor run with, each with why (the README table
+    #: Environment variables the cell's suite and doctor run with, each with why (the table of cells
     #: names them): how a release is used without a dependency left out above.
     env: tuple[tuple[str, str, str], ...] = ()
     #: Built from the newest releases on the index when it runs (``constraints/<name>.txt`` names the
     #: packages without pins; the build writes what it resolved to ``doctor-reports/<name>/resolved.txt``).
-    #: Its verdict is printed and never fails the matrix; it is not in the README table, the gate check
+    #: Its verdict is printed and never fails the matrix; it is not in the tables, the gate check
     #: or the measured ranges: what it measures changes from day to day.
     latest: bool = False
     #: The cell whose run of the everyday workflows stands for this one's: the same patches applied (the
-    #: README table's columns are equal) on the same layer API, so the shim's code they meet is the same.
+    #: table of cells' columns are equal) on the same layer API, so the shim's code they meet is the same.
     #: The workflows are left out here (50 of a cell's 110 s of tests); the cell's patch tests still run.
     workflows_in: str = ""
 

@@ -12,11 +12,16 @@ import textwrap
 from pathlib import Path
 
 from ..packs import GROUP, Pack
+from ..ranges import version_range
 from ..records import links
 from ..registry import Registry
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 _ITEM = re.compile(r"^(\s*)([-*]|\d+\.) ")
+_HEADING = re.compile(r"^#{1,6} ")
+_CODE = re.compile(r"(`+)(.+?)\1")
+_STRONG = re.compile(r"\*\*(.+?)\*\*")
+_EMPHASIS = re.compile(r"(?<![\w*])\*(?=\S)(.+?)(?<=\S)\*(?![\w*])")
 
 
 def path() -> Path | None:
@@ -55,7 +60,7 @@ def of_pack(registry: Registry, name: str) -> str | None:
         patch.summary,
         "",
         f"From the patch pack {declared.provider} {declared.version} (entry point {GROUP}: "
-        f"{declared.entry_point}); it applies to {patch.requirement}.",
+        f"{declared.entry_point}); it applies to {patch.distribution}{version_range(patch.requires)}.",
         "",
         story or f"{declared.module} has no docstring: the pack's author writes the story there.",
     ]
@@ -64,9 +69,11 @@ def of_pack(registry: Registry, name: str) -> str | None:
     return "\n".join(lines)
 
 
-def reflow(markdown: str, width: int) -> str:
+def reflow(markdown: str, width: int, plain: bool = False) -> str:
     """``markdown`` for a terminal: paragraphs and list items wrapped to ``width``, links as
-    ``text (address)``; code blocks and tables are left as they are (quoted error text stays whole)."""
+    ``text (address)``; code blocks and tables are left as they are (quoted error text stays whole).
+    ``plain``: as text rather than Markdown, the way ``explain`` prints it: no heading marks, no
+    emphasis marks or backticks, code blocks indented instead of fenced."""
     out: list[str] = []
     block: list[str] = []
 
@@ -75,6 +82,8 @@ def reflow(markdown: str, width: int) -> str:
             item = _ITEM.match(block[0])
             first = item.group(0) if item else ""
             text = " ".join(line.strip() for line in block)[len(first.strip()) :].strip()
+            if plain:
+                text = unmarked(text)
             more = " " * len(first)
             wrapped = textwrap.wrap(
                 text,
@@ -89,10 +98,18 @@ def reflow(markdown: str, width: int) -> str:
 
     fenced = False
     for line in markdown.splitlines():
-        if line.startswith("```") or fenced or line.startswith("|"):
+        if plain and line.startswith("```"):
+            flush()
+            fenced = not fenced
+        elif plain and fenced:
+            out.append(f"    {line}".rstrip())
+        elif line.startswith("```") or fenced or line.startswith("|"):
             flush()
             fenced = fenced != line.startswith("```")
             out.append(line)
+        elif plain and _HEADING.match(line):
+            flush()
+            out.append(unmarked(_HEADING.sub("", line)))
         elif not line.strip():
             flush()
             out.append("")
@@ -104,3 +121,15 @@ def reflow(markdown: str, width: int) -> str:
             )
     flush()
     return "\n".join(out)
+
+
+def unmarked(text: str) -> str:
+    """``text`` without Markdown's inline marks: ``**bold**``, ``*emphasis*`` and code spans' backticks
+    (what a code span holds is kept as it is, ``*args`` too)."""
+    parts = _CODE.split(text)  # [text, ticks, code, text, ticks, code, ..., text]
+    out = []
+    for index in range(0, len(parts), 3):
+        out.append(_EMPHASIS.sub(r"\1", _STRONG.sub(r"\1", parts[index])))
+        if index + 2 < len(parts):
+            out.append(parts[index + 2].strip() if len(parts[index + 1]) > 1 else parts[index + 2])
+    return "".join(out)

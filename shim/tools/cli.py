@@ -5,25 +5,33 @@ console script). The help texts are in ``shim.tools.helptext``."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 
 from .. import __version__
 from ..catalogue import PROVIDER as BUILTIN
 from ..settings import shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
-from .report import WIDTH  # the tables, the report and the help texts fit this many columns
+from .report import WIDTH, fitted  # the tables, the report and the help texts fit this many columns
 from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
+    from ..registry import Registry
+    from .outlook import Outlook
 
-COMMANDS = ("status", "doctor", "explain", "run")
+
+class _HasName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_Named = TypeVar("_Named", bound=_HasName)
+
+COMMANDS = ("status", "doctor", "explain", "bug-report", "run")
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -72,11 +80,24 @@ def _parser() -> argparse.ArgumentParser:
         help="the story of a patch's bug: symptom, versions measured, the fix, its limits",
         description="Print the section of docs/bugs.md (shipped with the package) on a patch's bug: the "
         "symptom,\nthe upstream mechanism, the versions measured, what the fix does, its limits and "
-        "the references.",
+        "the references;\nas plain text wrapped to the terminal's width. Without a name: every patch "
+        "and its summary.",
         formatter_class=_formatter,
     )
-    explain.add_argument("patch", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)")
+    explain.add_argument(
+        "patch", nargs="?", help="a patch name, as python -m shim lists them ('_', '-' and case are equal)"
+    )
+    explain.add_argument("--markdown", action="store_true", help=f"print the Markdown, wrapped to {WIDTH} columns")
     explain.set_defaults(parser=explain)
+    report = commands.add_parser(
+        "bug-report",
+        help="what a bug report needs, as Markdown: versions, status, doctor, SHIM_* variables",
+        description="Print, as Markdown to paste into a bug report: the versions of the shim, Python, torch and\n"
+        "every patched library; the status; doctor's table for the patches that apply here (it runs\n"
+        "their self-checks); and the SHIM_* variables set.",
+        formatter_class=_formatter,
+    )
+    report.set_defaults(parser=report)
     commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
@@ -91,19 +112,32 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide", action="store_true", help=f"do not fit the table to {WIDTH} columns")
 
 
-def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
-    """The status table: a row per patch, then its summary, the reason for its state and its last
-    effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each)."""
+def by_name(records: Sequence[_Named]) -> list[_Named]:
+    """``records`` in the one order every table of the shim uses: by patch name."""
+    return sorted(records, key=lambda record: record.name)
+
+
+def status_table(records: Sequence[PatchStatus], wide: bool = False, seen: Mapping[str, Outlook] | None = None) -> str:
+    """The status table: a row per patch, by name, then its summary, the reason for its state and
+    its last effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each).
+    ``seen``: each patch's :class:`~shim.tools.outlook.Outlook`, whose state and reason a pending
+    patch shows (``will apply``); the effects column is there only once a patch has changed something."""
     from .report import table
 
-    rows = [
-        [r.name, f"{r.state}, suspended" if r.suspended else r.state, r.installed or "-", r.effects] for r in records
-    ]
-    lines = table(rows, ["patch", "state", "installed", "effects"], right=(3,)).splitlines()
+    records = by_name(records)
+    counted = any(r.effects for r in records)
+    rows: list[list[object]] = []
+    for r in records:
+        state = seen[r.name].state if seen else str(r.state)
+        rows.append([r.name, f"{state}, suspended" if r.suspended else state, r.installed or "-"])
+        if counted:
+            rows[-1].append(r.effects)
+    header = ["patch", "state", "installed", *(["effects"] if counted else [])]
+    lines = table(rows, header, right=(3,)).splitlines()
     out = lines[:2]
     for record, line in zip(records, lines[2:]):
         out.append(line)
-        notes = [record.summary, f"reason: {record.reason}"]
+        notes = [record.summary, f"reason: {seen[record.name].reason if seen else record.reason}"]
         if record.provider not in ("", BUILTIN):  # a patch pack's: say whose
             notes.insert(1, f"from: {record.provider} (a patch pack)")
         if record.suspended:
@@ -112,31 +146,26 @@ def status_table(records: Sequence[PatchStatus], wide: bool = False) -> str:
             notes.append(f"last effect: {record.last_effect}")
         notes += [f"other patcher: {other['text']}" for other in record.others]
         for note in notes:
-            if wide:
-                out.append(f"    {note}")
-            else:
-                out += textwrap.wrap(
-                    note, WIDTH, initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False
-                )
+            out += fitted(note, wide, "    ", "      ")
     out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(out)
 
 
 def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.import_targets:
-        for name in shim.registry.names:
-            for module_name in shim.registry.patch(name).modules:
-                try:
-                    importlib.import_module(module_name)
-                except Exception:  # not installed, or cannot load (a CUDA-only torch): the status says so
-                    pass
-    records = shim.status()
+        from .targets import import_targets
+
+        import_targets(shim.registry, shim.registry.names)
+    records = by_name(shim.status())
     if args.json:
         print(json.dumps([record.as_dict() for record in records], indent=2))
-    else:
-        print(status_table(records, wide=args.wide))
-        for note in newer_than_measured():
-            print("\n" + (note if args.wide else textwrap.fill(note, WIDTH, subsequent_indent="  ")))
+        return 0
+    from .outlook import outlooks, summary
+
+    seen = outlooks(records, shim.registry)
+    print("\n".join([*fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
+    for note in newer_than_measured():
+        print("\n" + "\n".join(fitted(note, args.wide)))
     return 0
 
 
@@ -167,7 +196,6 @@ def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     from ..selfcheck.models import quiet_transformers
     from . import doctor
-    from .report import table
 
     json_file, unwritten = None, None
     if args.json_file is not None:  # opened before the run: a file that cannot be written fails at once
@@ -176,7 +204,12 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             args.parser.error(unwritten)
     names = [_known(args, shim, name) for name in args.patches]
     quiet_transformers()
-    findings = doctor.run(shim.registry, names)
+    if args.json:
+        findings = doctor.run(shim.registry, names)
+        for note in doctor.notes(doctor.concerned(shim.registry, [f.name for f in findings])):
+            print("\n" + "\n".join(fitted(f"note: {note}")), file=sys.stderr)  # stdout stays the records
+    else:
+        findings = doctor.print_table(shim.registry, names, args.wide, lambda text: print(text, flush=True))
     records = json.dumps([finding.as_dict() for finding in findings], indent=2)
     if json_file is not None:
         try:
@@ -186,22 +219,9 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
             unwritten = f"--json-file {as_given(args.json_file, 200)}: {exc.strerror or exc}"
     if args.json:
         print(records)
-    else:
-        rows = [[f.name, f.installed, f.state, f.bug_upstream, f.bug_with_shim, f.verdict] for f in findings]
-        print(table(rows, ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]))
-        for finding in findings:
-            for detail in doctor.below_table(finding):
-                print("\n" + (detail if args.wide else textwrap.fill(detail, WIDTH, subsequent_indent="  ")))
-    for note in doctor.notes():  # on stderr with --json: stdout stays the records
-        print(
-            "\n" + textwrap.fill(f"note: {note}", WIDTH, subsequent_indent="  "), file=sys.stderr if args.json else None
-        )
     failing = [f.name for f in findings if f.verdict in doctor.FAILING]
     if failing:
-        print(
-            "\n" + textwrap.fill(f"doctor: not fixed: {', '.join(failing)}", WIDTH, subsequent_indent="  "),
-            file=sys.stderr,
-        )
+        print("\n" + "\n".join(fitted(f"doctor: not fixed: {', '.join(failing)}")), file=sys.stderr)
     if unwritten:
         say(f"python -m shim doctor: error: {unwritten}")
         return 2  # not 1: the file asked for is missing, whatever the verdicts
@@ -215,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .run import main as run
 
         return run(argv[1:])
+    from .report import silence_at_exit
+
+    silence_at_exit()  # doctor's self-checks act: no line about them at exit
     lenient(sys.stdout)  # PYTHONIOENCODING=ascii: explain's en dashes print as \u2013
     problem = cannot_write(sys.stdout)
     if problem:  # python -m shim >&-: said before any work, as a command line that cannot be used
@@ -234,7 +257,7 @@ def _command(argv: list[str]) -> int:
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        parser.error(f"unknown command {shown(argv[0])}; the commands are {', '.join(COMMANDS)}")
+        parser.error(f"no command {shown(argv[0])}; use {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # shown with the usage of the command they were given to, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -242,6 +265,13 @@ def _command(argv: list[str]) -> int:
 
     if args.command == "explain":
         return _explain(args, shim)
+    if args.command == "bug-report":
+        from ..selfcheck.models import quiet_transformers
+        from .bugreport import write_report
+
+        quiet_transformers()
+        write_report(shim.registry, lambda text: print(text, flush=True))
+        return 0
     return _doctor(args, shim) if args.command == "doctor" else _status(args, shim)
 
 
@@ -258,10 +288,41 @@ def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
 def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     from . import bugdocs
 
+    if args.patch is None:
+        print(patch_list(shim.registry))
+        return 0
     name = _known(args, shim, args.patch)
     text = bugdocs.section(name) or bugdocs.of_pack(shim.registry, name)
     if text is None:
         say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1
-    print(bugdocs.reflow(text, WIDTH))
+    if args.markdown:
+        print(bugdocs.reflow(text, WIDTH))
+    else:
+        print(bugdocs.reflow(text, terminal_width(), plain=True))
     return 0
+
+
+def terminal_width() -> int:
+    """The terminal's columns (``COLUMNS`` where set), :data:`WIDTH` where the output is no terminal;
+    40 at least."""
+    import shutil
+
+    return max(shutil.get_terminal_size((WIDTH, 24)).columns, 40)
+
+
+def patch_list(registry: Registry) -> str:
+    """``explain`` without a name: every patch by name, its summary below it."""
+    from ..catalogue import PROVIDER
+
+    lines = []
+    for name in sorted(registry.names):
+        try:
+            summary = registry.patch(name).summary
+        except Exception as exc:  # a module that cannot be imported: say so, list the rest
+            summary = f"(its module cannot be imported: {exc!r})"
+        provider = getattr(registry.declared(name), "provider", "")
+        lines.append(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""))
+        lines += fitted(summary, False, "    ", "    ")
+    lines += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
+    return "\n".join(lines)

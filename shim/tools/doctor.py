@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import gating
 from ..catalogue import PROVIDER as BUILTIN
-from ..entry import APPLIED, DISABLED
+from ..entry import APPLIED, DISABLED, FAILED, SKIPPED
 from ..registry import Registry
+from .targets import import_targets
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"
@@ -78,12 +80,7 @@ def blocker() -> str | None:
 def examine(registry: Registry, name: str, blocked: str | None = None) -> Finding:
     """One patch's finding; ``blocked``: why no self-check can run here (:func:`blocker`)."""
     patch = registry.patch(name)
-    missing = []
-    for module_name in patch.modules:  # importing the targets lets the patch apply (or skip)
-        try:
-            importlib.import_module(module_name)
-        except Exception as exc:  # ImportError; OSError from a library that cannot load (a CUDA-only torch)
-            missing.append(f"{module_name} cannot be imported ({exc})")
+    missing = import_targets(registry, [name])  # importing the targets lets the patch apply (or skip)
     status = next(s for s in registry.status() if s.name == name)
     installed = status.installed or "-"
     if missing and gating.installed_version(patch.distribution) is None:
@@ -126,14 +123,57 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
     return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason, others)
 
 
-def run(registry: Registry, names: Sequence[str] = ()) -> list[Finding]:
-    """The findings of ``names`` (default: every patch of ``registry``), in the registry's order."""
-    chosen = [name for name in registry.names if not names or name in names]
+def each(registry: Registry, names: Sequence[str] = ()) -> Iterator[Finding]:
+    """The finding of each patch of ``names`` (default: every patch of ``registry``), by name, each
+    as soon as its check has run."""
+    chosen = sorted(name for name in registry.names if not names or name in names)
     # Every built-in's self-check trains a tiny model, so torch must import for them; a patch pack's
     # check needs what its author says, and runs (a check that fails to import torch is its error).
-    builtin = {name for name in chosen if getattr(registry.declared(name), "provider", "") == BUILTIN}
+    builtin = {name for name in chosen if _is_builtin(registry, name)}
     blocked = blocker() if builtin else None
-    return [examine(registry, name, blocked if name in builtin else None) for name in chosen]
+    for name in chosen:
+        yield examine(registry, name, blocked if name in builtin else None)
+
+
+def run(registry: Registry, names: Sequence[str] = ()) -> list[Finding]:
+    """The findings of ``names`` (default: every patch of ``registry``), by name."""
+    return list(each(registry, names))
+
+
+def _is_builtin(registry: Registry, name: str) -> bool:
+    return getattr(registry.declared(name), "provider", "") == BUILTIN
+
+
+#: The order doctor's total counts the verdicts in (a "bypassed by ..." comes last).
+VERDICTS = (FIXED, NOT_FIXED, ERROR, NOT_REPRODUCED, NOT_AFFECTED, OPTED_OUT, NOT_INSTALLED, NO_CHECK, CANNOT_CHECK)
+
+
+def total(findings: Sequence[Finding]) -> str:
+    """The line below doctor's table: how many patches it checked and how many got each verdict."""
+    counts = Counter(finding.verdict for finding in findings)
+    order = sorted(counts, key=lambda verdict: VERDICTS.index(verdict) if verdict in VERDICTS else len(VERDICTS))
+    checked = f"{len(findings)} {'patch' if len(findings) == 1 else 'patches'} checked"
+    return f"doctor: {checked}: " + ", ".join(f"{counts[verdict]} {verdict}" for verdict in order)
+
+
+def concerned(registry: Registry, names: Iterable[str]) -> set[str]:
+    """The distributions the patches ``names`` are about: each one's gate, its targets' requirements and
+    the libraries its targets live in, and torch for a built-in (its self-check trains on it). A note
+    of doctor's about a distribution is printed only with the patches it concerns."""
+    found = set()
+    for name in names:
+        found.add(registry.declared(name).distribution)
+        if _is_builtin(registry, name):
+            found.add("torch")
+        try:
+            targets = registry.patch(name).targets
+        except Exception:  # a module that cannot be imported: its finding says so
+            continue
+        for target in targets:
+            found.add(target.module.partition(".")[0])
+            if target.requirement is not None:
+                found.add(target.requirement.name)
+    return found
 
 
 #: What transformers raises when the installed peft is older than it needs (``check_peft_version``).
@@ -163,11 +203,12 @@ def peft_note(transformers: str | None, peft: str | None, minimum: str | None) -
     )
 
 
-def newer_notes() -> list[str]:
+def newer_notes(about: Collection[str] | None = None) -> list[str]:
     """A line for each installed distribution newer than the newest release the shim was measured on
     (``shim/measured.json``, written by the version matrix): doctor's table is then the first
-    measurement of it."""
-    notes = (gating.newer_than_measured(name) for name in gating.newest_measured())
+    measurement of it. ``about``: only for these distributions (default: every one measured)."""
+    names = [name for name in gating.newest_measured() if about is None or name in about]
+    notes = (gating.newer_than_measured(name) for name in names)
     return [
         f"{note}: the verdicts above are the first measurement of it; a NOT FIXED or check error there is "
         "worth a bug report (python -m shim --version, python -m shim doctor)"
@@ -176,9 +217,12 @@ def newer_notes() -> list[str]:
     ]
 
 
-def notes() -> list[str]:
+def notes(about: Collection[str] | None = None) -> list[str]:
     """What doctor points out below its table: releases newer than any the shim was measured on, and
-    incompatibilities between the installed releases."""
+    incompatibilities between the installed releases; ``about``: only those that concern these
+    distributions (:func:`concerned`; default: all of them)."""
+    if about is not None and "peft" not in about:
+        return newer_notes(about)
     try:
         from transformers.integrations import peft as integration
 
@@ -186,4 +230,36 @@ def notes() -> list[str]:
     except Exception:  # not installed, or a release without the constant: nothing to say
         minimum = None
     note = peft_note(gating.installed_version("transformers"), gating.installed_version("peft"), minimum)
-    return newer_notes() + ([note] if note else [])
+    return newer_notes(about) + ([note] if note else [])
+
+
+#: doctor's columns; ``bug upstream`` and ``bug with shim`` hold yes, no or -.
+COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
+
+
+def print_table(registry: Registry, names: Sequence[str], wide: bool, write: Callable[[str], None]) -> list[Finding]:
+    """doctor's table, written through ``write``: the header at once, each row as its check finishes,
+    then the total, the reasons of the verdicts that need one and the notes that concern these
+    patches, each fitted to :data:`~shim.tools.report.WIDTH` columns unless ``wide``."""
+    from .report import column_widths, fitted, rule, table_line
+
+    chosen = sorted(names or registry.names)
+    before = {record.name: record for record in registry.status()}
+    # After its import a pending patch is applied, skipped or failed; a disabled one stays so: the
+    # columns are sized for what can come, before it does.
+    states = {str(APPLIED), str(SKIPPED), str(FAILED)} | {str(before[name].state) for name in chosen}
+    widest = [[name, before[name].installed or "-", max(states, key=len), "", "", ""] for name in chosen]
+    widths = column_widths([COLUMNS, *widest])  # the verdict, last, needs no padding
+    write(f"{table_line(COLUMNS, widths)}\n{rule(widths)}")
+    findings = []
+    for finding in each(registry, names):
+        findings.append(finding)
+        row = [finding.name, finding.installed, finding.state, finding.bug_upstream, finding.bug_with_shim]
+        write(table_line([*row, finding.verdict], widths))
+    write("\n" + "\n".join(fitted(total(findings), wide)))
+    for finding in findings:
+        for detail in below_table(finding):
+            write("\n" + "\n".join(fitted(detail, wide)))
+    for note in notes(concerned(registry, chosen)):
+        write("\n" + "\n".join(fitted(f"note: {note}")))
+    return findings

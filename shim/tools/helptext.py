@@ -6,7 +6,8 @@ environment variables (read when a patch applies, so set them before importing t
   SHIM_FORCE=name,name           apply these patches even outside their version gate
   SHIM_STRICT=1                  a patch that should apply but cannot raises shim.PatchError
   SHIM_LOG_LEVEL=INFO            show the shim's log lines (what applied, first effects) on stderr
-  SHIM_REPORT=1                  print the effects table to stderr when the process exits"""
+  SHIM_REPORT=1 | 0              at exit, on stderr: the effects table | nothing (unset: one line
+                                 where a fix acted; under torchrun one for the job)"""
 
 DESCRIPTION = """\
 hf-train-shim: what the shim did in this environment, and whether the bugs it fixes are there.
@@ -15,17 +16,21 @@ commands:
   status    (default) one row per patch: state, installed version, effects so far, the reason;
             the patch's one-line summary below it
   doctor    reproduce each bug on a tiny model built in code, with its patch off and then on
-  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits
+  explain   explain <patch>: the bug a patch fixes, the versions measured, the fix and its limits;
+            without a name, every patch and its summary
+  bug-report  the versions, the status, doctor and the SHIM_* variables, as Markdown to paste
   run       run [--] <command ...> with the shim imported first in every Python process it starts
             (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 
 STATES = """\
 states:
-  applied   in place: its wrappers act while it is switched on
-  pending   its target module is not imported yet: it applies right after that import
-  skipped   not needed or not safe here (outside its gate, library not installed, code changed)
-  disabled  switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
-  failed    wrapping raised and was rolled back, or another patcher replaced its layer
+  applied     in place: its wrappers act while it is switched on
+  will apply  its target module is not imported yet; its gate and the installed versions admit it:
+              it applies right after that import (shim.status() and --json say pending)
+  will skip   its target module is not imported yet, and no target of it is for these versions
+  skipped     not needed or not safe here (outside its gate, library not installed, code changed)
+  disabled    switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
+  failed      wrapping raised and was rolled back, or another patcher replaced its layer
   (a state followed by ", suspended": off inside a shim.disabled() block)"""
 
 EXIT_CODES = """\

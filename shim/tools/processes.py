@@ -1,8 +1,9 @@
 """Which kind of process this is, for the exit report: a training process, or a helper of one.
 
-``SHIM_REPORT=1`` reaches every Python process a run starts (the variable is inherited, and under
-``shim-run`` so is the shim), but a user wants one report per training process: the script, or each
-rank under a launcher. A *helper* prints its report only when a patch changed something in it:
+The exit report (one line where a fix acted; the table with ``SHIM_REPORT=1``) can come from every
+Python process a run starts (under ``shim-run`` each imports the shim), but a user wants one report
+per training job: the script, or its ranks together (``shim.tools.ranks``). A *helper* reports only
+when a patch changed something in it, on its own:
 
 * a process started by ``multiprocessing`` (or ``multiprocess``): spawn and forkserver workers
   (DataLoader workers among them), the resource tracker, the fork server (a ``fork`` child ends
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable
 
 #: Modules that only a launcher imports: torchrun, accelerate launch, deepspeed (runner and launch).
 LAUNCHERS = (
@@ -34,26 +34,16 @@ LAUNCHERS = (
 )
 
 
-class Record(Protocol):
-    """What this module reads of a :class:`shim.records.PatchStatus`."""
-
-    @property
-    def effects(self) -> int: ...
-
-    @property
-    def targets(self) -> tuple[str, ...]: ...
-
-
 def rank() -> str | None:
     """The process's rank under torchrun, accelerate or deepspeed (``RANK``), if any."""
     return os.environ.get("RANK") or None
 
 
-def helper(target_specs: Iterable[str]) -> str | None:
+def helper(target_modules: Iterable[str]) -> str | None:
     """What kind of helper this process is (a few words), or ``None`` for a training process.
 
-    ``target_specs`` are the patches' targets (``"module:attribute"``): a process that imported none
-    of their modules is a helper.
+    ``target_modules`` are the modules the patches target: a process that imported none of them is a
+    helper.
     """
     for name in ("multiprocessing", "multiprocess"):  # multiprocess: the dill-based fork datasets uses
         module = sys.modules.get(name)
@@ -64,13 +54,6 @@ def helper(target_specs: Iterable[str]) -> str | None:
         return "multiprocessing helper"  # the resource tracker, the fork server
     if rank() is None and any(name in sys.modules for name in LAUNCHERS):
         return "launcher"
-    if not any(spec.partition(":")[0] in sys.modules for spec in target_specs):
+    if not any(name in sys.modules for name in target_modules):
         return "no target module imported"
     return None
-
-
-def quiet_at_exit(records: Sequence[Record]) -> bool:
-    """Whether ``SHIM_REPORT=1`` leaves out the exit report: a helper in which no patch changed anything."""
-    if any(record.effects for record in records):
-        return False
-    return helper(spec for record in records for spec in record.targets) is not None

@@ -8,11 +8,13 @@ import atexit
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ..entry import APPLIED
-from . import processes
+from . import processes, ranks
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
@@ -23,74 +25,260 @@ WIDTH = 100
 
 def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:
     """A plain text table; columns listed in ``right`` are right-aligned (numbers)."""
-    cells = [[str(cell) for cell in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    lines = [line(row) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    widths = column_widths([header, *rows])
+    lines = [table_line(row, widths, right) for row in [header, *rows]]
+    lines.insert(1, rule(widths))
     return "\n".join(lines)
+
+
+def column_widths(rows: Sequence[Sequence[object]]) -> list[int]:
+    """The width of each column of ``rows`` (the header among them): its widest cell."""
+    return [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+
+
+def table_line(row: Sequence[object], widths: Sequence[int], right: Sequence[int] = ()) -> str:
+    """One line of a table whose columns are ``widths`` wide (a wider cell pushes the rest along):
+    doctor prints each row as its check finishes, before the others are known."""
+    cells = [str(cell) for cell in row]
+    parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
+    return "  ".join(parts).rstrip()
+
+
+def rule(widths: Sequence[int]) -> str:
+    """The line below a table's header."""
+    return "  ".join("-" * w for w in widths)
+
+
+def fitted(text: str, wide: bool = False, indent: str = "", more: str = "  ") -> list[str]:
+    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``."""
+    return [indent + text] if wide else _wrap(text, WIDTH, indent, more)
 
 
 def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:
     return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
 
 
+@dataclass(frozen=True)
+class Row:
+    """One patch in the effects table: of one process, or of a job's ranks together."""
+
+    name: str
+    effects: int
+    last_effect: str
+    group: str  # the line it is listed on when it changed nothing: "applied, nothing to change", "skipped", ...
+    others: tuple[str, ...] = ()
+    ranks: str = ""  # a job's table: the ranks it changed something in
+    last_rank: int | None = None  # a job's table: the rank the last effect shown is from
+
+
 def report(records: Sequence[PatchStatus]) -> str:
     """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns:
-    a row per patch that changed something, its last effect below it, then the other patches by
-    state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included."""
-    role = processes.helper(spec for r in records for spec in r.targets)
-    prefix = f"[rank {processes.rank()}] " if processes.rank() else ""
-    width = max(WIDTH - len(prefix), 40)
-    changed = [r for r in records if r.effects]
+    a row per patch that changed something, by name, its last effect below it, then the other patches
+    by state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included."""
+    role = processes.helper(spec.partition(":")[0] for r in records for spec in r.targets)
     who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
-    lines = _wrap(
-        f"hf-train-shim report ({who}): {len(changed)} of {len(records)} patches changed something", width, "", "  "
-    )
+    rows = [
+        Row(r.name, r.effects, r.last_effect, _group(str(r.state)), tuple(o["text"] for o in r.others)) for r in records
+    ]
+    return _table(who, rows, _prefix())
+
+
+def _group(state: str) -> str:
+    return "applied, nothing to change" if state == APPLIED else state
+
+
+def _prefix(rank: object = None) -> str:
+    rank = processes.rank() if rank is None else rank
+    return f"[rank {rank}] " if rank is not None else ""
+
+
+def _table(who: str, rows: Sequence[Row], prefix: str, footer: Sequence[str] = ()) -> str:
+    width = max(WIDTH - len(prefix), 40)
+    rows = sorted(rows, key=lambda row: row.name)
+    changed = [row for row in rows if row.effects]
+    title = f"hf-train-shim report ({who}): {len(changed)} of {len(rows)} patches changed something"
+    lines = _wrap(title, width, "", "  ")
     if changed:
-        rows = table([[r.name, r.effects] for r in changed], ["patch", "effects"], right=(1,)).splitlines()
-        lines += ["  " + line for line in rows[:2]]
-        for record, row in zip(changed, rows[2:]):
-            lines += ["  " + row, *_wrap(f"last effect: {record.last_effect}", width, " " * 6, " " * 8)]
-    groups: dict[str, list[str]] = {"applied, nothing to change": []}  # then skipped, pending, ...
-    for r in records:
-        if not r.effects:
-            groups.setdefault("applied, nothing to change" if r.state == APPLIED else r.state, []).append(r.name)
+        ranked = any(row.ranks for row in changed)
+        cells = [[row.name, row.effects, *([row.ranks] if ranked else [])] for row in changed]
+        header = ["patch", "effects", *(["ranks"] if ranked else [])]
+        shown = table(cells, header, right=(1,)).splitlines()
+        lines += ["  " + line for line in shown[:2]]
+        for row, line in zip(changed, shown[2:]):
+            source = "" if row.last_rank is None else f" (rank {row.last_rank})"
+            lines += ["  " + line, *_wrap(f"last effect{source}: {row.last_effect}", width, " " * 6, " " * 8)]
+    groups: dict[str, list[str]] = {_group(APPLIED): []}  # then skipped, pending, ...
+    for row in rows:
+        if not row.effects:
+            groups.setdefault(row.group, []).append(row.name)
     for label, names in groups.items():
         if names:
             lines += _wrap(f"{label}: {', '.join(names)}", width, "  ", "    ")
-    for r in records:  # another patcher on a target: said at exit too, where it decides what ran
-        for other in r.others:
-            lines += _wrap(f"{r.name}: other patcher: {other['text']}", width, "  ", "    ")
+    for row in rows:  # another patcher on a target: said at exit too, where it decides what ran
+        for other in row.others:
+            lines += _wrap(f"{row.name}: other patcher: {other}", width, "  ", "    ")
+    for line in footer:
+        lines += _wrap(line, width, "  ", "    ")
     return "\n".join(prefix + line for line in lines)
 
 
-_registered = False
+def acted_line(
+    effects: Mapping[str, int], who: str = "", prefix: str = "", ranks: Mapping[str, str] | None = None
+) -> str:
+    """The line said at exit where a fix acted: ``hf-train-shim: 2 fixes acted: checkpointing-restore
+    ×4, input-grad-hook-dedupe ×3 (SHIM_REPORT=1 for the table)``; ``""`` where none did. ``ranks``:
+    the ranks each fix acted in, where not in all of a job's. One line however long, not fitted to
+    :data:`WIDTH` like the tables: a log is searched for it line by line (``grep hf-train-shim``)."""
+    acted = sorted(name for name, count in effects.items() if count)
+    if not acted:
+        return ""
+    ranks = ranks or {}
+    each = [f"{name} ×{effects[name]}" + (f" ({ranks[name]})" if ranks.get(name) else "") for name in acted]
+    head = "hf-train-shim" + (f" ({who})" if who else "")
+    fixes = f"{len(acted)} {'fix' if len(acted) == 1 else 'fixes'} acted"
+    return f"{prefix}{head}: {fixes}: {', '.join(each)} (SHIM_REPORT=1 for the table)"
 
 
-def report_at_exit() -> None:
-    """Print ``shim.report()`` to stderr when the interpreter exits (once per process)."""
-    global _registered
-    if not _registered:  # called by ``import shim`` under SHIM_REPORT=1: under the import lock
-        _registered = True
-        atexit.register(_print_report)
+def rank_list(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2`` (runs of three or more as a span)."""
+    numbers = sorted(set(ranks))
+    spans: list[str] = []
+    start = 0
+    while start < len(numbers):
+        end = start
+        while end + 1 < len(numbers) and numbers[end + 1] == numbers[end] + 1:
+            end += 1
+        if end - start >= 1:
+            spans.append(f"{numbers[start]}-{numbers[end]}")
+        else:
+            spans.append(str(numbers[start]))
+        start = end + 1
+    return f"{'rank' if len(numbers) == 1 else 'ranks'} {', '.join(spans)}"
 
 
-def _print_report() -> None:
+# -- at exit ---------------------------------------------------------------------------------------
+
+_registered: set[bool] = set()
+_said = False
+
+
+def report_at_exit(table: bool = True) -> None:
+    """Say at exit what the shim did, on stderr: the effects table (``table``, ``SHIM_REPORT=1``) or
+    one line where a fix acted (the default). Registered once per kind; only the first to run says
+    anything."""
+    if table not in _registered:  # called by ``import shim``: under the import lock
+        _registered.add(table)
+        atexit.register(at_exit, table)
+
+
+def silence_at_exit() -> None:
+    """Say nothing at exit in this process: ``python -m shim``'s own, whose effects are its self-checks'."""
+    global _said
+    _said = True
+
+
+def at_exit(table: bool) -> None:
+    """What ``import shim`` runs at exit (once, whatever registered it): never raises, imports nothing
+    for the line, and waits only as :mod:`shim.tools.ranks` says, with a timeout."""
+    global _said
     shim = sys.modules.get("shim")
-    if shim is None:
+    if _said or shim is None:
         return
+    _said = True
     try:
-        if processes.quiet_at_exit(shim.status()):
-            return  # a helper process (launcher, multiprocessing worker) in which nothing changed
-        text = shim.report()
+        text = _at_exit(shim, table)
     except Exception as exc:  # the user's program is over: say why, never raise at exit
         text = f"hf-train-shim report failed: {exc!r}"
-    write_whole_lines(text)
+    if text:
+        write_whole_lines(text)
+
+
+def _at_exit(shim: ModuleType, table: bool) -> str:
+    from .. import runtime  # the effects ledger: counts read without a status, which would import patch modules
+
+    names = shim.registry.names
+    effects = {name: runtime.count(name) for name in names}
+    role = processes.helper(module for name in names for module in shim.registry.declared(name).modules)
+    found = ranks.job() if role is None else None
+    if found is None:  # one process: the script, a helper, or a rank started alone
+        if role is not None and not any(effects.values()):
+            return ""  # a helper (launcher, worker) in which nothing changed
+        if table:
+            return str(shim.report())
+        who = f"pid {os.getpid()}, {role}" if role else ""
+        return acted_line(effects, who, _prefix())
+    mine: dict[str, object] = {
+        "pid": os.getpid(),
+        "effects": {name: count for name, count in effects.items() if count},
+        "last": {name: runtime.last(name) for name, count in effects.items() if count},
+    }
+    if table:
+        mine["records"] = [_kept(record) for record in shim.status()]
+    try:
+        joined = ranks.join(found, mine)
+    except OSError:  # no folder for the job (a read-only temporary directory): this rank says its own
+        joined = ranks.Joined([mine | {"rank": found.rank}], late=True)
+    if joined is None:
+        return ""  # another rank says it for the job
+    return job_report(joined, found.expected, table)
+
+
+def _kept(record: PatchStatus) -> dict[str, object]:
+    """What a rank's table needs of a status record (its file holds it)."""
+    return {
+        "name": record.name,
+        "state": str(record.state),
+        "effects": record.effects,
+        "last_effect": record.last_effect,
+        "others": [other["text"] for other in record.others],
+    }
+
+
+def job_report(joined: ranks.Joined, expected: int, table: bool) -> str:
+    """The line (or, with ``table``, the effects table) for the ranks in ``joined``, by patch name:
+    each patch's effects summed over the ranks, the ranks it acted in where not all."""
+    records = joined.records
+    numbers = [int(record["rank"]) for record in records]
+    totals: dict[str, int] = {}
+    acted_in: dict[str, list[int]] = {}
+    for record in records:
+        for name, count in record["effects"].items():
+            totals[name] = totals.get(name, 0) + int(count)
+            acted_in.setdefault(name, []).append(int(record["rank"]))
+    where = {name: rank_list(found) for name, found in acted_in.items() if len(found) < len(numbers)}
+    every = {name: rank_list(found) for name, found in acted_in.items()}
+    prefix = _prefix(numbers[0]) if joined.late else ""
+    missing = expected - len(records)
+    if joined.late:
+        who = "finished after the job's report"
+    else:
+        who = rank_list(numbers) + (f"; {missing} of {expected} had not finished" if missing > 0 else "")
+    if not table:
+        return acted_line(totals, who, prefix, where)
+    return _table(who, _job_rows(records, totals, every), prefix)
+
+
+def _job_rows(records: Sequence[dict[str, Any]], totals: Mapping[str, int], acted_in: Mapping[str, str]) -> list[Row]:
+    """A row per patch for a job's table, from every rank's records: a patch whose state differs
+    between ranks is listed as ``applied in rank 0, pending in rank 1``."""
+    states: dict[str, dict[str, list[int]]] = {}
+    others: dict[str, list[str]] = {}
+    for record in records:
+        for kept in record.get("records", ()):
+            states.setdefault(kept["name"], {}).setdefault(kept["state"], []).append(int(record["rank"]))
+            others.setdefault(kept["name"], []).extend(kept["others"])
+    rows = []
+    for name, seen in states.items():
+        if len(seen) == 1:
+            group = _group(next(iter(seen)))
+        else:
+            group = ", ".join(f"{state} in {rank_list(found)}" for state, found in seen.items())
+        last, rank = "", None
+        if totals.get(name):  # the highest rank's: the ranks are alike, and rank 0 often does more (saving)
+            rank, last = next((int(r["rank"]), r["last"][name]) for r in reversed(records) if name in r["last"])
+        kept = tuple(dict.fromkeys(others[name]))
+        rows.append(Row(name, totals.get(name, 0), last, group, kept, acted_in.get(name, ""), rank))
+    return rows
 
 
 #: The most bytes one ``write`` to a pipe puts in it at once, never interleaved with another process's

@@ -182,3 +182,24 @@ def project_files() -> list[str]:
                 for part in path.relative_to(ROOT).parts
             )
         ]
+
+
+def test_the_pack_guide_holds_the_example_pack_to_copy_verbatim():
+    """docs/adding-a-patch.md stands on its own for an author outside the repository: the example
+    pack's pyproject.toml, module and test are in it as they are in examples/patch-pack/, gated on a
+    real library (not on the pack itself)."""
+    guide = (ROOT / "docs" / "adding-a-patch.md").read_text().split("## A patch of your own: a patch pack", 1)[1]
+    pack = ROOT / "examples" / "patch-pack"
+    for path in ("pyproject.toml", "src/shim_example_pack/fixes.py", "tests/test_example_pack.py"):
+        text = (pack / path).read_text().rstrip()
+        assert f"```{'toml' if path.endswith('.toml') else 'python'}\n{text}\n```" in guide, path
+    fixes = (pack / "src" / "shim_example_pack" / "fixes.py").read_text()
+    assert 'distribution="transformers"' in fixes and "shim-example-pack" not in fixes.split("PATCH = ", 1)[1]
+    for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "self-check"):
+        assert said in guide, said
+
+
+def test_the_index_of_docs_bugs_lists_every_patch_by_name():
+    """One row order everywhere: the index at the top of docs/bugs.md too."""
+    rows = re.findall(r"^\| \[`([a-z0-9-]+)`\]\(#", BUGS.read_text(), flags=re.MULTILINE)
+    assert rows == sorted(NAMES)

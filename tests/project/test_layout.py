@@ -89,6 +89,7 @@ ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
     "shim.order": set(),  # the one order of the parts on a target: Patch.after, Patch.place
+    "shim.ranges": set(),  # how a version range is written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
@@ -98,9 +99,15 @@ ROOMS = {
     "shim.rebinding": set(),  # consumers' copies of a target
     "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.parts", "shim.runtime", "shim.patch"},  # one patch's parts
     "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, named when asked
-    "shim.gating": {"shim.wrapping", "shim.assigning", "shim.layers", "shim.patch"},  # whether a patch applies
+    "shim.gating": {
+        "shim.wrapping",
+        "shim.assigning",
+        "shim.layers",
+        "shim.patch",
+        "shim.ranges",
+    },  # whether a patch applies
     "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
-    "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch"},
+    "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch", "shim.ranges"},
     "shim.catalogue": {"shim.patch", "shim.settings", "shim.order"},  # the built-in patches' index
     "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings", "shim.order"},  # other distributions' patches
     "shim.registry": {
@@ -144,7 +151,7 @@ def test_the_rooms_drawing_is_the_import_graph():
     text = (ROOT / "docs" / "how-it-works.md").read_text()
     drawing = text.split("### The engine's rooms", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
     drawn = set(re.findall(r"^\s*(\w+) --> (\w+)$", drawing, re.MULTILINE))
-    leaves = {"patch", "settings", "order"}
+    leaves = {"patch", "settings", "order", "ranges"}
     graph = engine_graph()
     real = {
         (room.removeprefix("shim."), imported.removeprefix("shim."))

@@ -1,4 +1,4 @@
-"""The version matrix's gate check and README table (scripts/matrixlib/) on made-up doctor reports.
+"""The version matrix's gate check and its two tables (scripts/matrixlib/) on made-up doctor reports.
 
 No cells are built here: the reports are what ``python -m shim doctor --json`` and the cell probe
 write, so these tests pin down which measurements make CI fail.
@@ -410,3 +410,61 @@ def test_a_cell_that_leaves_its_workflows_to_another_must_apply_the_same_patches
     assert not [text for _, text in gates.check(same)[0] if "everyday workflows" in text]
     same[stand_in.name]["findings"]["demo"]["state"] = "skipped"
     assert [text for _, text in gates.check(same)[0] if "everyday workflows" in text]
+
+
+def test_the_readme_table_is_a_version_range_per_patch_with_what_the_cells_measured():
+    """One row per patch, by name whatever order the reports hold them in: its range (and what its
+    targets need where every target names a requirement on another distribution), then the cells
+    by verdict, with the releases of the gate's distribution each covers."""
+    reports = {
+        "old": report("4.57.6", "not affected"),
+        "new": report("5.0.0", "fixed"),
+        "newer": report("5.2.0", "fixed"),
+    }
+    for cell, verdict in (("old", "not affected"), ("new", "fixed"), ("newer", "fixed")):
+        first = report(reports[cell]["versions"]["transformers"], verdict, name="zeta")
+        reports[cell]["patches"].insert(0, first["patches"][0])  # the reports list zeta first
+        reports[cell]["findings"].update(first["findings"])
+        narrowed = reports[cell]["patches"][-1]
+        narrowed["targets"] = [dict(target="trl.x:f", distribution="trl", requires=">=0.26")]
+    rendered = table.render_ranges(reports)
+    rows = [line for line in rendered.splitlines() if line.startswith("| `")]
+    assert rows == [
+        "| `demo` | `transformers>=5.0` where `trl>=0.26` | applied, fixed (transformers 5.0.0 – 5.2.0, 2 cells); "
+        "not needed (transformers 4.57.6, 1 cell) |",
+        "| `zeta` | `transformers>=5.0` | applied, fixed (transformers 5.0.0 – 5.2.0, 2 cells); "
+        "not needed (transformers 4.57.6, 1 cell) |",
+    ]
+    assert "(docs/testing.md#the-cells-measured)" in rendered
+    # The matrix of cells lists the patches by name too.
+    cells_table = [
+        line.split("`")[1]
+        for line in table.render(reports).split("| patch | gate |")[1].splitlines()[2:]
+        if line.startswith("| `")
+    ]
+    assert cells_table == ["demo", "zeta"]
+
+
+def test_a_target_on_the_gates_own_distribution_narrows_nothing_in_the_readme():
+    gate = dict(distribution="transformers", requires=">=4.57")
+    split = [dict(distribution="transformers", requires="<5.23"), dict(distribution="transformers", requires=">=5.23")]
+    assert table.applies_to(gate | {"targets": split}) == "`transformers>=4.57`"
+    open_target = [dict(distribution=None, requires=""), dict(distribution="trl", requires=">=0.28")]
+    assert table.applies_to(gate | {"targets": open_target}) == "`transformers>=4.57`"  # one target always applies
+    both = [dict(distribution="trl", requires=">=0.26"), dict(distribution="transformers", requires=">=5.23")]
+    assert (
+        table.applies_to(gate | {"targets": both}) == "`transformers>=4.57` where `transformers>=5.23` or `trl>=0.26`"
+    )
+
+
+def test_each_generated_block_round_trips_in_its_own_file(tmp_path, monkeypatch):
+    for name, attribute, start, end in (
+        ("README.md", "README", table.START, table.END),
+        ("docs/testing.md", "TESTING", table.CELLS_START, table.CELLS_END),
+    ):
+        path = tmp_path / name.replace("/", "-")
+        path.write_text(f"intro\n{start}\nold\n{end}\noutro\n")
+        monkeypatch.setattr(table, attribute, path)
+        assert table.block(name) == "old"
+        table.write_block(name, "new\ntable")
+        assert table.block(name) == "new\ntable" and path.read_text().endswith(f"{end}\noutro\n")

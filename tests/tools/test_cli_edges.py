@@ -32,6 +32,8 @@ COMMANDS = {
     "run --help": [*PYTHON_M_SHIM, "run", "--help"],
     "explain --help": [*PYTHON_M_SHIM, "explain", "--help"],
     "explain, an unknown patch": [*PYTHON_M_SHIM, "explain", "no-such-patch"],
+    "explain (every patch)": [*PYTHON_M_SHIM, "explain"],
+    "bug-report --help": [*PYTHON_M_SHIM, "bug-report", "--help"],
     "run (no command)": [*PYTHON_M_SHIM, "run"],
     "--version": [*PYTHON_M_SHIM, "--version"],
     "status --bogus": [*PYTHON_M_SHIM, "status", "--bogus"],
@@ -122,11 +124,11 @@ def test_an_unknown_argument_is_shown_with_the_usage_of_its_command():
     assert "python -m shim doctor: error: unrecognized arguments: --bogus" in done.stderr
     done = run([*PYTHON_M_SHIM, "frobnicate"], capture_output=True)
     assert done.returncode == 2
-    assert "unknown command 'frobnicate'; the commands are status, doctor, explain, run" in done.stderr
+    assert "no command 'frobnicate'; use status, doctor, explain, bug-report or run" in done.stderr
 
 
 def test_the_usage_names_every_command_and_version_prints_the_installed_one():
     usage = run([*PYTHON_M_SHIM, "--help"], capture_output=True).stdout.splitlines()[0]
-    assert usage == "usage: python -m shim [-h] [--version] {status,doctor,explain,run} ..."
+    assert usage == "usage: python -m shim [-h] [--version] {status,doctor,explain,bug-report,run} ..."
     done = run([*PYTHON_M_SHIM, "--version"], capture_output=True)
     assert (done.returncode, done.stdout) == (0, f"hf-train-shim {importlib.metadata.version('hf-train-shim')}\n")

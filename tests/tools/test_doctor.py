@@ -48,19 +48,27 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
 
 
 @pytest.mark.skipif(not HAS_PEFT, reason="peft is not installed")
-def test_doctor_prints_the_note_below_its_table():
-    # The notes are printed whichever patches are checked: one patch's self-check is enough here.
+@pytest.mark.parametrize("patch", ["kbit-prepare-keeps-checkpointing", "checkpointing-restore"])
+def test_doctor_prints_a_note_below_its_table_only_with_the_patches_it_concerns(patch):
+    """The peft note is about peft: ``doctor kbit-prepare-keeps-checkpointing`` (a patch on peft)
+    prints it where the installed peft is older than transformers needs, ``doctor
+    checkpointing-restore`` never does (it printed it for every patch before)."""
     table = run_python(
-        "from shim.tools.cli import main; raise SystemExit(main(['doctor', 'load-keeps-requires-grad']))",
+        f"from shim.tools.cli import main; raise SystemExit(main(['doctor', '{patch}']))",
         timeout=600,
         torch_first=True,
     ).stdout
-    assert table.splitlines()[2].startswith("load-keeps-requires-grad "), "one row: the patch asked for"
-    expected = doctor.notes()
-    assert ("\nnote: transformers " in table) == bool(expected)
-    if expected:
-        assert " ".join(table[table.index("note: ") :].split()) == f"note: {' '.join(expected[0].split())}"
-        assert all(len(line) <= 100 for line in table.splitlines())
+    assert table.splitlines()[2].startswith(f"{patch} "), "one row: the patch asked for"
+    import shim
+
+    about = doctor.concerned(shim.registry, [patch])
+    assert ("peft" in about) == (patch == "kbit-prepare-keeps-checkpointing")
+    peft_notes = [note for note in doctor.notes() if note not in doctor.newer_notes()]
+    shown = " ".join(table.split())
+    for note in doctor.notes():  # each note the environment has: printed exactly with the patches it concerns
+        assert (f"note: {' '.join(note.split())}" in shown) == (note in doctor.notes(about)), note
+    assert all((note in doctor.notes(about)) == ("peft" in about) for note in peft_notes)
+    assert all(len(line) <= 100 for line in table.splitlines())
 
 
 def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_modules):
@@ -170,3 +178,71 @@ def test_doctor_says_which_installed_releases_are_newer_than_any_measured(monkey
         assert notes == doctor.notes()[: len(notes)]
     finally:
         gating.newest_measured.cache_clear()
+
+
+def test_a_packs_check_runs_where_torch_cannot_be_imported_a_builtins_cannot(fake_modules, monkeypatch):
+    """A built-in's self-check trains on torch: without it doctor says it cannot check here. A patch
+    pack's check needs only what its author says, so it runs, and a check that needed torch after all
+    is its own error."""
+    from shim.catalogue import PROVIDER
+
+    pkg = fake_modules(target="def f():\n    return 1\n")
+    importlib.import_module(f"{pkg}.target")
+    builtin = make_patch(pkg, name="built-in", self_check=lambda: True)
+    object.__setattr__(builtin, "provider", PROVIDER)  # as the catalogue's listings say
+    registry = Registry([builtin, make_patch(pkg, name="from-a-pack", self_check=lambda: True)])
+    registry.activate()
+    monkeypatch.setitem(sys.modules, "torch", None)  # Python's way to make a module unimportable
+    findings = {finding.name: finding for finding in doctor.run(registry)}
+    assert findings["built-in"].verdict == doctor.CANNOT_CHECK
+    assert findings["from-a-pack"].verdict == doctor.NOT_FIXED, "its check ran: the bug shows with it on"
+
+
+def test_doctor_prints_each_row_as_its_check_finishes_then_a_total():
+    """The header comes at once and each row when its check is done (flushed through a pipe), not
+    everything at the end; then the total. The checks take seconds: the lines arrive spread out."""
+    import time
+
+    patches = ["checkpointing-restore", "input-grad-hook-dedupe"]
+    arrived = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "shim", "doctor", *patches],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as process:
+        for line in process.stdout:
+            arrived.append((time.monotonic(), line.rstrip("\n")))
+        process.wait(timeout=600)
+    lines = [line for _, line in arrived]
+    assert lines[0].split()[:2] == ["patch", "installed"] and [line.split()[0] for line in lines[2:4]] == patches
+    total = next(line for line in lines if line.startswith("doctor: "))
+    assert total.startswith("doctor: 2 patches checked: ")
+    header_at, first_row_at = arrived[0][0], arrived[2][0]
+    assert first_row_at - header_at > 0.2, "the header is printed before the first check runs"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+def test_doctor_shows_no_warning_its_own_imports_cause():
+    """trl warns on every import of trl.experimental; doctor imports trl.experimental.utils (the
+    target of kbit-prepare-keeps-checkpointing) and hides that notice, and only around its import."""
+    plain = "import warnings; warnings.simplefilter('always'); import trl.experimental.utils"
+    shown = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300)
+    assert "TRLExperimentalWarning" in shown.stderr, "the notice doctor hides: there without it"
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "shim", "doctor", "kbit-prepare-keeps-checkpointing"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "TRLExperimentalWarning" not in done.stderr, done.stderr
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "from shim.tools.targets import import_quietly\n"
+        "import_quietly('trl.experimental.utils')\n"
+        "warnings.warn('still shown', UserWarning)\n"
+    )
+    quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "TRLExperimentalWarning" not in quiet.stderr and "still shown" in quiet.stderr

@@ -1,6 +1,8 @@
 """``python -m shim explain <patch>`` prints the bug's story from docs/bugs.md (shipped in the wheel), and
 the references in ``shim.status()`` / ``--json`` are ones a user outside the repository can follow."""
 
+import itertools
+import os
 import re
 import subprocess
 import sys
@@ -38,15 +40,17 @@ def test_each_section_reads_in_100_columns_word_for_word(name):
     assert shown.split() == links.split()
 
 
-def test_explain_takes_the_names_the_environment_takes():
+def explain(*args: str, columns: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
     done = subprocess.run(
-        [sys.executable, "-m", "shim", "explain", "Load_Keeps_Requires_Grad"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
+        [sys.executable, "-m", "shim", "explain", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_explain_takes_the_names_the_environment_takes():
+    done = explain("Load_Keeps_Requires_Grad", "--markdown")
     assert done.stdout.startswith("## load-keeps-requires-grad\n\n**Symptom.**")
     unknown = subprocess.run(
         [sys.executable, "-m", "shim", "explain", "no-such-patch"], capture_output=True, text=True, timeout=120
@@ -69,3 +73,42 @@ def test_status_references_are_addresses_and_the_explain_command():
         "https://github.com/huggingface/trl/issues/6827",
         "python -m shim explain x",
     )
+
+
+@pytest.mark.parametrize("columns", ["60", "132", None])
+def test_explain_prints_plain_text_wrapped_to_the_terminal(columns):
+    """No heading, emphasis or code marks; prose wrapped to the terminal's columns (100 where the
+    output is no terminal); the words those of the Markdown section, quoted error text whole."""
+    name = "checkpointing-call-signature"  # its section quotes code and error text in blocks
+    shown = explain(name, columns=columns).stdout
+    width = int(columns or 100)
+    assert shown.startswith(f"{name}\n\nSymptom. ")
+    indented = [line for line in shown.splitlines() if line.startswith("    ")]  # the code blocks
+    prose = [line for line in shown.splitlines() if not line.startswith("    ")]
+    assert [line for line in prose if len(line) > width and len(line.split()) > 1] == []  # a long address: alone
+    assert width < 100 or max(map(len, prose)) > 100 - 15, "wide terminals get wide lines"
+    bold = re.compile(r"\*\*[A-Z][^*]*\*\*")  # **Symptom.**; a code span's **kwargs stays
+    assert not any(line.startswith("#") or bold.search(line) or "`" in line for line in prose)
+    assert indented and not any(line.startswith("```") for line in shown.splitlines())
+    # Word for word the section: fences and heading marks dropped, links as text (address), no marks.
+    prose, code, fenced = [], [], False
+    for line in bugdocs.section(name).removeprefix("## ").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        else:
+            (code if fenced else prose).append(line)
+    linked = re.sub(
+        r"\[([^\]]+)\]\(([^)\s]+)\)", lambda m: m[1] if "://" not in m[2] else f"{m[1]} ({m[2]})", "\n".join(prose)
+    )
+    assert sorted(shown.split()) == sorted(bugdocs.unmarked(linked).split() + " ".join(code).split())
+
+
+def test_explain_without_a_name_lists_every_patch_and_its_summary():
+    shown = explain().stdout.splitlines()
+    names = [line for line in shown if line and not line.startswith(" ")][:-1]  # the last line: how to read one
+    assert names == sorted(NAMES)
+    for name in NAMES:
+        below = shown[shown.index(name) + 1 :]
+        summary = " ".join(line.strip() for line in itertools.takewhile(lambda line: line.startswith("    "), below))
+        assert summary == " ".join(shim.registry.patch(name).summary.split())
+    assert shown[-1].startswith("python -m shim explain <patch>: ")

@@ -1,7 +1,8 @@
-"""The example patch pack (examples/patch-pack), built and installed into a folder of its own as a
-user installs it, then used from fresh interpreters with that folder on ``PYTHONPATH``: its patch is
-applied under ``import shim`` and ``shim-run``, listed with its distribution, opted out by name,
-explained from its own text and checked by doctor, and the pack's own test passes."""
+"""The example patch pack (examples/patch-pack, a patch of transformers' ``get_last_checkpoint``),
+built and installed into a folder of its own as a user installs it, then used from fresh interpreters
+with that folder on ``PYTHONPATH``: its patch is applied under ``import shim`` and ``shim-run``, listed
+with its distribution, opted out by name, explained from its own text and checked by doctor, and the
+pack's own test passes."""
 
 import json
 import os
@@ -14,9 +15,9 @@ import pytest
 
 from tests.conftest import ROOT, clean_environment
 
-pytestmark = pytest.mark.any_version  # the pack patches a module of its own, not the HF stack
+pytestmark = pytest.mark.any_version  # the pack's gate covers every release the suite runs on
 
-NAME = "example-mean-loss-empty"
+NAME = "example-resume-complete-checkpoint"
 PACK = ROOT / "examples" / "patch-pack"
 
 
@@ -56,83 +57,107 @@ def run(site, *args, code=None, env=None, check=True) -> subprocess.CompletedPro
     return result
 
 
-APPLIED = """
+#: A Trainer's output folder: checkpoint-10 saved whole, checkpoint-20 cut short (no trainer_state.json).
+OUTPUT = """
+import os, tempfile
+output = tempfile.mkdtemp()
+for step in (10, 20):
+    os.mkdir(os.path.join(output, f"checkpoint-{step}"))
+open(os.path.join(output, "checkpoint-10", "trainer_state.json"), "w").write("{}")
+"""
+
+APPLIED = (
+    OUTPUT
+    + """
 import importlib, json, sys
 import shim
-waits = "shim_example_pack.losses" not in sys.modules  # the pack's module is imported, its target is not
-from shim_example_pack import losses
+waits = "transformers.trainer_utils" not in sys.modules  # the pack's module is imported, its target is not
+import transformers.trainer
+from transformers import trainer_utils
 importlib.reload(shim)  # idempotent: the new registry adopts the layer
-(status,) = [s for s in shim.status() if s.name == "example-mean-loss-empty"]
+(status,) = [s for s in shim.status() if s.name == "example-resume-complete-checkpoint"]
 print(json.dumps({
-    "waits": waits, "state": status.state, "provider": status.provider, "empty": losses.mean_loss([]),
-    "mean": losses.mean_loss([1.0, 3.0]), "layers": len(shim.wrappers(losses.mean_loss)),
-    "effects": shim.status()[-1].effects,
+    "waits": waits, "state": status.state, "provider": status.provider,
+    "chosen": os.path.basename(trainer_utils.get_last_checkpoint(output)),
+    "trainer's": os.path.basename(transformers.trainer.get_last_checkpoint(output)),
+    "layers": len(shim.wrappers(trainer_utils.get_last_checkpoint)),
+    "effects": status.effects,
 }))
 """
+)
 
 
 def test_import_shim_applies_the_pack_once_when_its_target_is_imported(site):
-    out = json.loads(run(site, code=APPLIED).stdout)
+    out = json.loads(run(site, code=APPLIED).stdout.splitlines()[-1])
     assert out == {
-        "waits": True, "state": "applied", "provider": "shim-example-pack", "empty": 0.0, "mean": 2.0,
-        "layers": 1, "effects": 1,
+        "waits": True, "state": "applied", "provider": "shim-example-pack", "chosen": "checkpoint-10",
+        "trainer's": "checkpoint-10", "layers": 1, "effects": 0,
     }  # fmt: skip
 
 
-def test_shim_run_applies_the_pack_and_the_exit_report_counts_it(site):
-    code = "from shim_example_pack import losses; print(losses.mean_loss([]))"
-    result = run(site, sys.executable, "-m", "shim", "run", "--", sys.executable, "-c", code, env={"SHIM_REPORT": "1"})
-    assert result.stdout.strip() == "0.0"
-    assert NAME in result.stderr and "returned 0.0 for an empty accumulation window" in result.stderr
+def test_shim_run_applies_the_pack_and_the_exit_line_counts_it(site):
+    code = OUTPUT + "from transformers.trainer_utils import get_last_checkpoint\nprint(get_last_checkpoint(output))"
+    result = run(site, sys.executable, "-m", "shim", "run", "--", sys.executable, "-c", code)
+    assert result.stdout.strip().endswith("checkpoint-10")
+    assert f"hf-train-shim: 1 fix acted: {NAME} ×1 (SHIM_REPORT=1 for the table)" in result.stderr
+    table = run(site, sys.executable, "-m", "shim", "run", "--", sys.executable, "-c", code, env={"SHIM_REPORT": "1"})
+    assert NAME in table.stderr and "passed over checkpoint-20, which has no trainer_state.json" in table.stderr
 
 
 def test_the_table_and_json_name_the_packs_distribution(site):
+    import transformers
+
     lines = run(site, sys.executable, "-m", "shim").stdout.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
-    assert lines[row].split()[1:3] == ["pending", "0.1.0"]
-    assert lines[row + 2].strip() == "from: shim-example-pack (a patch pack)"
+    assert lines[row].split()[1:4] == ["will", "apply", transformers.__version__]  # its target is not imported yet
+    assert lines[row + 3].strip() == "from: shim-example-pack (a patch pack)"
     assert not any("(a patch pack)" in line for line in lines[: row + 1]), "a built-in names no pack"
     records = json.loads(run(site, sys.executable, "-m", "shim", "--json").stdout)
     assert {r["provider"] for r in records} == {"hf-train-shim", "shim-example-pack"}
-    assert next(r for r in records if r["name"] == NAME)["targets"] == ["shim_example_pack.losses:mean_loss"]
+    record = next(r for r in records if r["name"] == NAME)
+    assert record["targets"] == ["transformers.trainer_utils:get_last_checkpoint"]
+    assert record["requires"] == "transformers>=4.57,<6"
 
 
 def test_shim_disable_opts_the_pack_out_by_name(site):
-    code = """
-    import shim
-    from shim_example_pack import losses
-    (status,) = [s for s in shim.status() if s.name == "example-mean-loss-empty"]
-    try:
-        losses.mean_loss([])
-    except ZeroDivisionError:
-        print(status.state, "|", status.reason)
-    """
-    out = run(site, code=code, env={"SHIM_DISABLE": "EXAMPLE_MEAN_LOSS_EMPTY"}).stdout.strip()
-    assert out == "disabled | opted out with SHIM_DISABLE=example-mean-loss-empty"
+    code = (
+        OUTPUT
+        + """
+import shim
+from transformers import trainer_utils
+(status,) = [s for s in shim.status() if s.name == "example-resume-complete-checkpoint"]
+print(os.path.basename(trainer_utils.get_last_checkpoint(output)), "|", status.state, "|", status.reason)
+"""
+    )
+    out = run(site, code=code, env={"SHIM_DISABLE": "EXAMPLE_RESUME_COMPLETE_CHECKPOINT"}).stdout.strip()
+    assert out == "checkpoint-20 | disabled | opted out with SHIM_DISABLE=example-resume-complete-checkpoint"
 
 
 def test_doctor_runs_the_packs_self_check(site):
-    # Neither torch nor transformers: a pack's check needs only what its author says.
     code = """
     import sys
-    sys.modules.update(torch=None, transformers=None)
     from shim.tools.cli import main
-    sys.exit(main(["doctor", "--json", "example-mean-loss-empty"]))
+    sys.exit(main(["doctor", "--json", "example-resume-complete-checkpoint"]))
     """
+    import transformers
+
     (finding,) = json.loads(run(site, code=code).stdout)
-    expected = {"name": NAME, "installed": "0.1.0", "state": "applied", "bug_upstream": "yes", "bug_with_shim": "no"}
+    expected = {"installed": transformers.__version__, "state": "applied", "bug_upstream": "yes", "bug_with_shim": "no"}
     assert finding | expected == finding and finding["verdict"] == "fixed"
 
 
 def test_explain_prints_the_patchs_own_text(site):
-    out = run(site, sys.executable, "-m", "shim", "explain", NAME).stdout
-    assert out.startswith(f"## {NAME}\n\nthe mean loss of an empty accumulation window is 0.0")
+    out = run(site, sys.executable, "-m", "shim", "explain", NAME, "--markdown").stdout
+    assert out.startswith(f"## {NAME}\n\nTrainer.train(resume_from_checkpoint=True) resumes from the newest")
     assert "From the patch pack shim-example-pack 0.1.0 (entry point hf_train_shim.patches:" in out
-    assert "Symptom: ``shim_example_pack.losses.mean_loss([])`` raises ``ZeroDivisionError``" in out
+    assert "it applies to transformers>=4.57,<6." in " ".join(out.split())
+    assert "Symptom: a run killed while it saved a checkpoint" in " ".join(out.split())
+    plain = run(site, sys.executable, "-m", "shim", "explain", NAME).stdout
+    assert plain.startswith(f"{NAME}\n\n") and "``" not in plain
 
 
 def test_the_packs_own_test_passes(site):
     tests = site / "source" / "tests"  # with the pack's own pytest settings (its pyproject.toml)
     result = run(site, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                  env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
-    assert result.stdout.splitlines()[-1].startswith("3 passed")
+    assert next(line for line in result.stdout.splitlines() if " passed" in line).startswith("3 passed")

@@ -1,7 +1,7 @@
-"""An example patch pack for hf-train-shim.
+"""An example patch pack for hf-train-shim: one patch of transformers, found through an entry point.
 
-``fixes`` declares the pack's patch; ``losses`` stands in for the library a real pack patches
-(transformers, trl, peft, ...), so that the example runs anywhere, without torch.
+``fixes`` declares it (``PATCH``); ``pyproject.toml`` names it in the entry-point group
+``hf_train_shim.patches``.
 """
 
 __version__ = "0.1.0"

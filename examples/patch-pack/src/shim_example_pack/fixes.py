@@ -1,50 +1,75 @@
-"""``example-mean-loss-empty``: the mean loss of an empty accumulation window is 0.0, not a crash.
+"""``example-resume-complete-checkpoint``: resuming passes over a checkpoint whose save never finished.
 
-Symptom: ``shim_example_pack.losses.mean_loss([])`` raises ``ZeroDivisionError`` when every sequence
-of an accumulation window is masked out, and the run ends.
+Symptom: a run killed while it saved a checkpoint (preempted, out of time, out of disk) leaves a
+``checkpoint-N`` folder without its ``trainer_state.json``, which the Trainer writes last.
+``Trainer.train(resume_from_checkpoint=True)`` asks ``transformers.trainer_utils.get_last_checkpoint``
+for the newest ``checkpoint-N`` folder, gets that one, and the resume fails on the files it lacks.
 
-Fix: ``mean_loss`` is wrapped; an empty window returns 0.0 (and the shim counts the effect), every
-other call is upstream's, untouched.
+Fix: ``get_last_checkpoint`` is wrapped. When the folder it picks has no ``trainer_state.json``, the
+newest folder that has one is returned instead (``None`` when none has: the Trainer then says that no
+valid checkpoint was found), and the effect is counted. Every other call is upstream's, untouched.
+The Trainer's own name for the function (``transformers.trainer`` imports it by name) is rebound
+through ``consumers`` while the patch is on.
 
-Limits: only ``mean_loss`` is fixed; a caller that divides by the window's length itself still fails.
+Limits: a checkpoint whose ``trainer_state.json`` was written but whose other files are damaged is
+still chosen; ``resume_from_checkpoint="<path>"`` is used as given.
 
-This docstring is what ``python -m shim explain example-mean-loss-empty`` prints below the patch's
-summary: a pack's patch is explained from its own text.
+This docstring is what ``python -m shim explain example-resume-complete-checkpoint`` prints below the
+patch's summary: a pack's patch is explained from its own text.
 """
+
+import os
+import re
 
 from shim import Patch, Target, record_effect
 
-NAME = "example-mean-loss-empty"
+NAME = "example-resume-complete-checkpoint"
+#: What the Trainer writes last into a checkpoint folder (``transformers.trainer.TRAINER_STATE_NAME``).
+STATE = "trainer_state.json"
+#: A checkpoint folder as the Trainer names it (``transformers.trainer_utils._re_checkpoint``).
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _mean_loss(wrapped, instance, args, kwargs):
-    losses = args[0] if args else kwargs.get("losses")
-    if losses is not None and len(losses) == 0:
-        record_effect(NAME, "returned 0.0 for an empty accumulation window (upstream divides by zero)")
-        return 0.0
-    return wrapped(*args, **kwargs)
+def _newest_complete(wrapped, instance, args, kwargs):
+    found = wrapped(*args, **kwargs)
+    if found is None or os.path.isfile(os.path.join(found, STATE)):
+        return found  # upstream's answer stands: the common path does one stat more, nothing else
+    folder = args[0] if args else kwargs["folder"]
+    steps = [
+        (int(match.group(1)), entry)
+        for entry in os.listdir(folder)
+        if (match := CHECKPOINT.match(entry)) and os.path.isfile(os.path.join(folder, entry, STATE))
+    ]
+    record_effect(NAME, "passed over %s, which has no %s (its save never finished)", os.path.basename(found), STATE)
+    return os.path.join(folder, max(steps)[1]) if steps else None
 
 
 def _bug_shows() -> bool:
-    """The self-check ``python -m shim doctor`` runs: ``True`` when the bug shows (with the patch
-    off, it should; with it on, it must not). It imports the target itself, when it runs."""
-    from shim_example_pack import losses
+    """The self-check ``python -m shim doctor`` runs: ``True`` when the bug shows (with the patch off
+    it should; with it on it must not). It imports what it needs itself, when it runs."""
+    import tempfile
 
-    try:
-        losses.mean_loss([])
-    except ZeroDivisionError:
-        return True
-    return False
+    from transformers.trainer_utils import get_last_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        for step, finished in ((10, True), (20, False)):  # checkpoint-20: the save was cut short
+            os.mkdir(os.path.join(folder, f"checkpoint-{step}"))
+            if finished:
+                with open(os.path.join(folder, f"checkpoint-{step}", STATE), "w") as state:
+                    state.write("{}")
+        return get_last_checkpoint(folder) == os.path.join(folder, "checkpoint-20")
 
 
-# The module stays light: it imports the shim only, never the library it patches, since the shim
-# imports a pack's module when it starts (its targets are known only from here).
+# The module stays light: it imports the shim and the standard library only, never the library it
+# patches, since the shim imports a pack's module when it starts (its targets are known only from here).
 PATCH = Patch(
     name=NAME,
-    summary="the mean loss of an empty accumulation window is 0.0 instead of ZeroDivisionError",
-    # A real pack gates on the library it patches, e.g. distribution="transformers", requires=">=5.20,<5.26".
-    distribution="shim-example-pack",
-    requires="<0.2",  # the stand-in library "fixed it" in 0.2
-    targets=(Target("shim_example_pack.losses:mean_loss", _mean_loss),),
+    summary="Trainer.train(resume_from_checkpoint=True) resumes from the newest checkpoint whose save finished.",
+    # The gate: the releases of the library patched that have the bug. The pack's author read
+    # get_last_checkpoint in them; the upper bound makes them look again at the next major release.
+    distribution="transformers",
+    requires=">=4.57,<6",
+    targets=(Target("transformers.trainer_utils:get_last_checkpoint", _newest_complete),),
+    consumers=("transformers.trainer",),  # `from .trainer_utils import get_last_checkpoint` there
     self_check=_bug_shows,
 )

@@ -1,0 +1,132 @@
+"""What each patch does in this environment, said before its targets are imported: the summary line
+that opens ``python -m shim`` and the state a pending patch shows there (``will apply``, ``will skip``).
+
+A pending patch is one whose target modules this process has not imported yet. The gates decide as
+the import will: the status reason already holds the patch's own gate (``shim.gating.pending``);
+what is left is each target's own requirement (``Target.requires``) and whether the library a target
+lives in is installed, read from the installed metadata and ``importlib.util.find_spec`` of the
+top-level package, which imports nothing. A target whose module is missing from an installed release
+is still found out only at the import, as the engine finds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..entry import APPLIED, DISABLED, FAILED, PENDING
+from ..gating import check_versions, installed_version, specifier_set
+
+if TYPE_CHECKING:
+    from ..patch import Patch
+    from ..records import PatchStatus
+    from ..registry import Registry
+
+#: What a patch does here, the kinds of the summary line.
+APPLIES = "applies"
+OUTSIDE = "outside its versions"
+NOT_INSTALLED = "not installed"
+OPTED_OUT = "opted out"
+BROKEN = "failed"
+SKIPPED = "skipped"
+
+#: The state column of a pending patch: what its import will do.
+WILL_APPLY = "will apply"
+WILL_SKIP = "will skip"
+
+# How the summary line names each kind besides APPLIES, for one patch and for several.
+_SAID = {
+    OUTSIDE: ("outside its versions", "outside their versions"),
+    NOT_INSTALLED: ("needs a library that is not installed", "need a library that is not installed"),
+    OPTED_OUT: ("opted out", "opted out"),
+    BROKEN: ("failed", "failed"),
+    SKIPPED: ("skipped (see its reason)", "skipped (see their reasons)"),
+}
+
+
+@dataclass(frozen=True)
+class Outlook:
+    kind: str  # APPLIES, OUTSIDE, NOT_INSTALLED, OPTED_OUT, BROKEN or SKIPPED
+    state: str  # the state column: the record's state, or WILL_APPLY / WILL_SKIP for a pending patch
+    reason: str  # the reason below the row
+
+
+def outlook(record: PatchStatus, registry: Registry) -> Outlook:
+    """What patch ``record.name`` does here, and how its row says it."""
+    state, reason = str(record.state), record.reason
+    if record.state is DISABLED:
+        return Outlook(OPTED_OUT, state, reason)
+    if record.state is FAILED:
+        return Outlook(BROKEN, state, reason)
+    if record.state is APPLIED:
+        return Outlook(APPLIES, state, reason)
+    declared = registry.declared(record.name)
+    if installed_version(declared.distribution) is None:
+        return Outlook(NOT_INSTALLED, state, reason)
+    missed = _targets_missed(registry, record.name)
+    if record.state is PENDING:
+        if missed is None:
+            return Outlook(APPLIES, WILL_APPLY, reason)
+        kind, why = missed
+        return Outlook(kind, WILL_SKIP, f"no target of it is for the installed releases: {why}")
+    # Skipped: outside its gate, no target for these releases, or a reason of the import (code changed).
+    if not check_versions(declared.distribution, specifier_set(declared.requires)).admitted:
+        return Outlook(OUTSIDE, state, reason)
+    return Outlook(missed[0] if missed else SKIPPED, state, reason)
+
+
+def _targets_missed(registry: Registry, name: str) -> tuple[str, str] | None:
+    """``None`` when at least one target of the patch is for the installed releases (its own
+    requirement admits them and its library is installed), else the kind and what each target needs."""
+    try:
+        patch: Patch = registry.patch(name)
+    except Exception:  # a module that cannot be imported: the status reason says so
+        return None
+    needs, kinds = [], set()
+    for target in patch.targets:
+        top = target.module.partition(".")[0]
+        if not _installed(top):
+            needs.append(f"{target.spec} is in {top}, which is not installed")
+            kinds.add(NOT_INSTALLED)
+            continue
+        requirement = target.requirement
+        if requirement is None:
+            return None
+        check = check_versions(requirement.name, requirement.specifier)
+        if check.admitted:
+            return None
+        needs.append(f"{target.spec}: {check.reason}")
+        kinds.add(NOT_INSTALLED if check.installed is None else OUTSIDE)
+    return (OUTSIDE if OUTSIDE in kinds else NOT_INSTALLED), "; ".join(needs)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken one
+        return False
+
+
+def outlooks(records: Iterable[PatchStatus], registry: Registry) -> dict[str, Outlook]:
+    return {record.name: outlook(record, registry) for record in records}
+
+
+def summary(records: Sequence[PatchStatus], seen: dict[str, Outlook]) -> str:
+    """The line that opens ``python -m shim``: ``16 of 19 patches apply to the installed releases; 1
+    outside its versions: peft-adapter-trainability; 2 need a library that is not installed: ...``."""
+    if not records:
+        return "no patch is registered"
+    names: dict[str, list[str]] = {}
+    for record in sorted(records, key=lambda r: r.name):
+        names.setdefault(seen[record.name].kind, []).append(record.name)
+    applying = len(names.get(APPLIES, ()))
+    verb = "applies" if applying == 1 else "apply"
+    parts = [
+        f"{applying} of {len(records)} {'patch' if len(records) == 1 else 'patches'} {verb} to the installed releases"
+    ]
+    for kind, (one, many) in _SAID.items():
+        if names.get(kind):
+            parts.append(f"{len(names[kind])} {one if len(names[kind]) == 1 else many}: {', '.join(names[kind])}")
+    return "; ".join(parts)
