@@ -87,12 +87,13 @@ class LayerCheckpoint(_partial):
     it (``==``, same hash) but is not it (``is``). It pickles, copies and deep-copies as ``given``
     would, so a saved model holds only what upstream's holds; a layer unpickled or copied with the
     shim loaded is given its function again and gets a ``LayerCheckpoint`` anew.
-    ``steps``: ``(switch, act)`` of each step that applies, in the order they act;
+    ``steps``: ``(switch, act)`` of each step that applies, in the order they act, ``names`` their
+    patches';
     ``made_from``: what the slot's previous part handed on (``given``, or a ``LayerCheckpoint``
     with fewer steps, kept alive so that the next layer given ``given`` finds the same objects).
     """
 
-    __slots__ = ("given", "steps", "made_from")
+    __slots__ = ("given", "steps", "names", "made_from")
 
     def __call__(self, function, *args, **options):
         if type(function) is _partial:  # the call shape the probe checked
@@ -135,13 +136,13 @@ eager(LayerCheckpoint.__call__)
 eager(record_effect)  # a step that acts counts its effect on that call
 
 
-def layer_checkpoint(given, steps: tuple, made_from) -> LayerCheckpoint:
-    """``given`` as a :class:`LayerCheckpoint` running ``steps``, made from ``made_from``."""
+def layer_checkpoint(given, steps: tuple, names: tuple, made_from) -> LayerCheckpoint:
+    """``given`` as a :class:`LayerCheckpoint` running ``steps`` (of the patches ``names``), made from ``made_from``."""
     if type(given) is _partial:
         made = LayerCheckpoint(given.func, *given.args, **given.keywords)
     else:  # any other callable, a partial subclass included, is called as it is
         made = LayerCheckpoint(given)
-    made.given, made.steps, made.made_from = given, steps, made_from
+    made.given, made.steps, made.names, made.made_from = given, steps, names, made_from
     if not _eager:
         bind_torch()  # the steps read torch through this module's global
         leave_to_eager()

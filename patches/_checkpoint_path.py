@@ -105,12 +105,12 @@ def _decide(step: Step, switch, value, decided: dict):
     steps end with ``step``, or ``value`` itself where the step does not apply or holds it already
     (a layer given what another layer holds); remembered in ``decided`` while ``value`` lives."""
     if type(value) is LayerCheckpoint:
-        function, steps = value.given, value.steps
+        function, steps, names = value.given, value.steps, value.names
         applies = all(act is not step.act for _switch, act in steps) and step.applies(function)
     else:
-        function, steps = value, ()
+        function, steps, names = value, (), ()
         applies = callable(value) and not _is_mock(value) and step.applies(function)
-    made = layer_checkpoint(function, (*steps, (switch, step.act)), value) if applies else value
+    made = layer_checkpoint(function, (*steps, (switch, step.act)), (*names, step.name), value) if applies else value
     try:
         reference = weakref.ref(value)
     except TypeError:  # an object without weak references is decided again at each assignment
@@ -134,6 +134,21 @@ def _module_level(function) -> bool:
     """Whether ``function`` is what its module holds under its name (it lives as long as the module)."""
     module = sys.modules.get(getattr(function, "__module__", None) or "")
     return module is not None and getattr(module, getattr(function, "__name__", ""), None) is function
+
+
+def in_effect(name: str, what: str):
+    """``Patch.in_effect`` of patch ``name``'s step: on how many of a model's layers, and which
+    kinds, it acts (``what`` it does), counting those whose checkpointing is on."""
+
+    def on(model) -> list[str]:
+        layers = [m for m in model.modules() if name in getattr(m.__dict__.get(ATTRIBUTE), "names", ())]
+        if not layers:
+            return []
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in layers}))
+        on = sum(1 for layer in layers if getattr(layer, "gradient_checkpointing", False))
+        return [f"acts on the calls of {len(layers)} {kinds} layer(s), {on} checkpointing now: {what}"]
+
+    return on
 
 
 def _is_mock(value) -> bool:

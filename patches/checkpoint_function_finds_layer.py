@@ -94,6 +94,7 @@ PATCH = Patch(
     targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     self_check=_self_check,
+    in_effect=_checkpoint_path.in_effect(NAME, "hands your checkpoint function its layer both ways"),
     # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
     place="innermost",
 )

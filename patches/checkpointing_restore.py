@@ -97,6 +97,18 @@ def _restoring_enable(kwargs_name: str):
     return wrapper
 
 
+def _in_effect(model) -> list[str]:
+    """The configuration ``model`` holds from its last disable, to put back at an enable without one."""
+    state = model.__dict__.get(ModelState.KEY)
+    captured = state.captured if state is not None else None
+    if not captured:
+        return []
+    return [
+        f"holds the configuration of the last disable ({describe(captured_kwargs(captured))}, {len(captured)} "
+        "module(s)): an enable without one puts it back"
+    ]
+
+
 def _self_check() -> bool:
     """True when a disable/enable cycle changes the checkpointing state of any module."""
     import inspect
@@ -145,4 +157,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#checkpointing-restore", "huggingface/trl#6827", "huggingface/transformers#47254"),
     self_check=_self_check,
+    in_effect=_in_effect,
 )

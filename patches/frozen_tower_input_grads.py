@@ -126,6 +126,30 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
     return result
 
 
+def _in_effect(model) -> list[str]:
+    """The sub-models of ``model`` whose input embeddings' hook follows whether they can train."""
+    names = None
+    lines = []
+    for handle in model.__dict__.get("_require_grads_hooks") or ():
+        hooks = handle.hooks_dict_ref()
+        hook = hooks.get(handle.id) if hooks is not None else None
+        owner = hook.owner() if isinstance(hook, _WhileTrainable) else None
+        if owner is None:
+            continue
+        if names is None:
+            names = {id(module): name for name, module in model.named_modules()}
+        now = (
+            "trainable now, so in backward"
+            if first_trainable(owner) is not None
+            else "frozen now: kept out of backward"
+        )
+        lines.append(
+            f"{names.get(id(owner), '?')} ({type(owner).__name__}) makes its inputs require grad only while it "
+            f"has a trainable parameter: {now}"
+        )
+    return lines
+
+
 def _probe(original) -> str | None:
     """Upstream must keep its hook handles in ``_require_grads_hooks`` and register forward hooks."""
     names = getattr(getattr(original, "__code__", None), "co_names", ())
@@ -172,5 +196,6 @@ PATCH = Patch(
         "modelscope/ms-swift#10214",
     ),
     self_check=_self_check,
+    in_effect=_in_effect,
     after=("input-grad-hook-dedupe",),
 )

@@ -51,6 +51,14 @@ def _is_live(handle) -> bool:
     return hooks is not None and getattr(handle, "id", None) in hooks
 
 
+def _in_effect(model) -> list[str]:
+    """How many input-require-grads hooks ``model`` holds, where it holds any."""
+    handles = [h for h in model.__dict__.get("_require_grads_hooks") or () if _is_live(h)]
+    if not handles:
+        return []
+    return [f"{len(handles)} input-require-grads hook(s) held, one per embeddings however many enables"]
+
+
 def input_hook_count(model) -> int:
     return len(model.get_input_embeddings()._forward_hooks)
 
@@ -81,4 +89,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#input-grad-hook-dedupe",),
     self_check=_self_check,
+    in_effect=_in_effect,
 )

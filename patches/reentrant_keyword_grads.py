@@ -130,4 +130,5 @@ PATCH = Patch(
     targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     self_check=_self_check,
+    in_effect=_checkpoint_path.in_effect(NAME, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
 )

@@ -219,6 +219,18 @@ def _switched(on: bool) -> None:
             _judged.pop(id(cls), None)
 
 
+def _in_effect(model) -> list[str]:
+    """The layer classes of ``model`` whose replaced ``forward`` the patch wrapped again."""
+    lines = []
+    for cls in sorted({type(module) for module in model.modules()} & set(_rewrapped), key=lambda c: c.__name__):
+        forward, wrapper, _own = _rewrapped[cls]
+        now = "transformers' wrapper is around it" if vars(cls).get("forward") is wrapper else "it is as you set it now"
+        lines.append(
+            f"{cls.__name__}.forward was replaced by {written_by(forward)}, which stopped its checkpointing: {now}"
+        )
+    return lines
+
+
 def _probe(layer_class) -> str | None:
     layers = sys.modules.get("transformers.modeling_layers")
     init_subclass = vars(layer_class).get("__init_subclass__")
@@ -250,4 +262,5 @@ PATCH = Patch(
     targets=_checkpoint_path.targets(STEP, probe=_probe),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
     self_check=_self_check,
+    in_effect=_in_effect,
 )

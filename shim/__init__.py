@@ -18,6 +18,8 @@ Public API::
     shim.PatchError                   # raised only in strict mode (SHIM_STRICT=1)
     shim.wrappers("transformers.modeling_utils:PreTrainedModel.gradient_checkpointing_enable")
                                       # the shim's layers on a target: [(patch name, layer)], outermost first
+    print(shim.in_effect(model))      # is the fix in effect on my model? its checkpointing, the
+                                      # patches acting on it and how, its adapters (.as_dict() too)
 
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``, ``shim.SameFix``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
@@ -62,6 +64,7 @@ __all__ = [
     "disable",
     "disabled",
     "enable",
+    "in_effect",
     "notice_others",
     "record_effect",
     "register",
@@ -98,6 +101,14 @@ def report() -> str:
     from .tools.report import report as effects_table
 
     return effects_table(registry.status())
+
+
+def in_effect(model: object) -> object:
+    """What the shim does on ``model`` now: how its modules checkpoint, which patches act on it and
+    how, its adapters. Print it, or read ``.as_dict()``; it changes nothing on the model."""
+    from .tools.model_view import in_effect as view
+
+    return view(model, registry)
 
 
 def wrappers(target: object) -> list[tuple[str, object]]:

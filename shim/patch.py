@@ -146,6 +146,8 @@ class Patch:
     the gate leaves out (``0.19.3+6a8f0e2`` is gated as 0.19.3, the first release with the fix, but a
     git build from before the fix merged lacks it): without the fix found the patch applies. It runs
     when a target module is imported and reads only what is imported.
+    ``in_effect(model)`` says what the patch does on one model now, a short sentence each, ``[]``
+    where it does nothing there: ``shim.in_effect(model)`` collects them (it must not change the model).
     """
 
     name: str
@@ -160,6 +162,7 @@ class Patch:
     place: str = ""
     same_fix: tuple[SameFix, ...] = ()
     upstream_fix: Callable[[], str | None] | None = None
+    in_effect: Callable[[Any], list[str]] | None = None
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +176,8 @@ class Patch:
             raise ValueError(f"patch {self.name!r}: place= must be one of {PLACES}, not {self.place!r}")
         if not all(isinstance(same, SameFix) for same in self.same_fix):
             raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
+        if self.in_effect is not None and not callable(self.in_effect):
+            raise TypeError(f"patch {self.name!r}: in_effect= must be a callable (model) -> sentences")
         if self.upstream_fix is not None and not callable(self.upstream_fix):
             raise TypeError(f"patch {self.name!r}: upstream_fix= must be a callable () -> what shows the fix, or None")
         try:
