@@ -42,7 +42,8 @@ class ModelView:
 
     def as_dict(self) -> dict[str, Any]:
         """The view as plain data (lists, dicts, strings, numbers): ``json.dumps`` takes it."""
-        return _plain(dataclasses.asdict(self))
+        plain: dict[str, Any] = _plain(dataclasses.asdict(self))
+        return plain
 
     def __str__(self) -> str:
         lines = [f"hf-train-shim on this {self.model}:"]
