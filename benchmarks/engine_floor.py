@@ -78,6 +78,6 @@ def report_ledger(ledger: dict) -> list[str]:
         counted = ", ".join(f"{name} {count}" for name, count in ledger["counted"].items())
     return [
         f"Effects ledger: one record costs {ledger['record_ns']:.0f} ns and runs only on a call that changed "
-        f"something (the per-wrapper rows above replay pass-through calls, which never reach it); "
+        f"something (the per-layer rows above replay pass-through calls, which never reach it); "
         f"effects counted by the in-process workloads (load, steps, trl cycles): {counted}"
     ]

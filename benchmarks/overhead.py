@@ -16,7 +16,7 @@ whether each target holds. Two kinds of "off" are measured and always labelled:
 
 Every measurement alternates on and off (ABBA order) and reports medians; a ratio is the median of
 the per-round ratios, with their interquartile range as the noise. Shim layers are found from the
-registry, so a new patch shows up in the per-wrapper table without changes here.
+registry, so a new patch shows up in the per-layer table without changes here.
 
 This file is the entry point and the report; each section is measured by its own module beside it:
 ``imports.py``, ``fresh.py`` (fresh interpreters; also the child they run), ``in_process.py``,

@@ -1,10 +1,11 @@
 """The cost of each shim layer per call, in ns (report: "Per-wrapper cost").
 
-The layers are found through the registry (every target of every patch whose wrapper is in place),
-so a new patch shows up here without changes. A temporary outermost wrapt layer on each wrapped
-attribute (:class:`Recorder`) counts the calls of each workload (load, both training steps, trl's
-two cycles) and keeps a sample of them; each layer is then timed by replaying an evenly spaced
-sample through it (on), through it with its patch switched off (inert), and around it (bare), with
+Each target holds one shim layer, whatever the number of patches with a part in it. The layers are
+found through the registry (every target of every patch whose part is in place), so a new patch
+shows up here without changes. A temporary outermost wrapt layer on each wrapped attribute
+(:class:`Recorder`) counts the calls of each workload (load, both training steps, trl's two cycles)
+and keeps a sample of them; each layer is then timed by replaying an evenly spaced sample through it
+(on: its parts active), through it with its patches switched off (inert), and around it (bare), with
 ``timeit``, best of 5. The cost of a workload is its call count times (on - bare).
 """
 
@@ -17,32 +18,32 @@ from workloads import batch, load, train_step, training_model, trl_cycle, trl_re
 
 
 def shim_layers() -> list[dict]:
-    """Every shim layer in place right now, found through the registry (nothing listed by hand)."""
+    """Every shim layer in place right now, one per target, found through the registry (nothing
+    listed by hand), with the patches that have a part in it, outermost first."""
     import wrapt
 
     import shim
 
-    layers = []
+    layers = {}
     for name in shim.registry.names:
         for target in shim.registry.patch(name).targets:
-            handle = dict(shim.wrappers(target.spec)).get(name)
-            if handle is None:
+            parts = shim.wrappers(target.spec)
+            handle = dict(parts).get(name)
+            if handle is None or target.spec in layers:
                 continue
             module = sys.modules[target.module]
             parent, attribute, _outer = wrapt.resolve_path(module, target.path)
-            layers.append(
-                {
-                    "patch": name,
-                    "spec": target.spec,
-                    "parent": parent,
-                    "attribute": attribute,
-                    "handle": handle,
-                    "inner": handle.__wrapped__,
-                    "module": module,
-                    "path": target.path,
-                }
-            )
-    return layers
+            layers[target.spec] = {
+                "patches": [part for part, _layer in parts],
+                "spec": target.spec,
+                "parent": parent,
+                "attribute": attribute,
+                "handle": handle,
+                "inner": handle.__wrapped__,
+                "module": module,
+                "path": target.path,
+            }
+    return list(layers.values())
 
 
 class Recorder:
@@ -126,7 +127,7 @@ def measure(args, directory: str, log) -> dict:
     rows = []
     for layer in layers:
         row = {
-            "patch": layer["patch"],
+            "patches": layer["patches"],
             "target": layer["spec"],
             "calls": {w: c for (s, w), c in counts.items() if s == layer["spec"]},
         }
@@ -147,7 +148,7 @@ def measure(args, directory: str, log) -> dict:
 
         try:
             on = per_call_ns(replay(layer["handle"]), args.replay_seconds) / len(sample)
-            with shim.disabled(layer["patch"]):
+            with shim.disabled(*layer["patches"]):
                 inert = per_call_ns(replay(layer["handle"]), args.replay_seconds) / len(sample)
             bare = per_call_ns(replay(layer["inner"]), args.replay_seconds) / len(sample)
         except Exception as exc:  # a call that cannot be repeated out of its context
@@ -160,8 +161,8 @@ def measure(args, directory: str, log) -> dict:
 
 def report(wrappers: dict) -> list[str]:
     out = [
-        "Per-wrapper cost, ns/call (timeit, best of 5, replaying a call recorded in the workloads); "
-        "cost = through the layer - around it"
+        "Per-layer cost, ns/call (timeit, best of 5, replaying a call recorded in the workloads); "
+        "cost = through the target's one shim layer (its parts, outermost first) - around it"
     ]
     rows = []
     for row in wrappers["rows"]:
@@ -170,8 +171,8 @@ def report(wrappers: dict) -> list[str]:
         if "on_ns" in row:
             rows.append(
                 [
-                    row["patch"],
                     row["target"],
+                    ", ".join(row["patches"]),
                     f"{row['bare_ns']:.0f}",
                     f"{row['on_ns'] - row['bare_ns']:+.0f}",
                     f"{row['inert_ns'] - row['bare_ns']:+.0f}",
@@ -179,8 +180,8 @@ def report(wrappers: dict) -> list[str]:
                 ]
             )
         else:
-            rows.append([row["patch"], row["target"], "", "", "", f"{calls}: {row['replay']}"])
-    headers = ["patch", "target", "call ns", "on +ns", "inert +ns", "calls per workload (cost)"]
+            rows.append([row["target"], ", ".join(row["patches"]), "", "", "", f"{calls}: {row['replay']}"])
+    headers = ["target", "parts", "call ns", "on +ns", "inert +ns", "calls per workload (cost)"]
     out.append(table(rows, headers, left=(0, 1, 5)))
     out.append(
         "(a target missing here is not applied on this version; 'step' workloads absent from 'calls' mean "
