@@ -187,13 +187,6 @@ def _inherited(owner: type, attribute: str, original: Any) -> Any:
     return dispatch
 
 
-def _drop_dispatch(owner: object, attribute: str) -> None:
-    """Delete a dispatch of :func:`_inherited` left in ``owner``'s own namespace, so the method is
-    inherited again: taking the layer off puts back what it wrapped, which is the dispatch."""
-    if isinstance(owner, type) and getattr(vars(owner).get(attribute), _DISPATCH_ATTRIBUTE, False):
-        delattr(owner, attribute)
-
-
 def install(module: object, path: str, parts: Parts, assign: bool = False) -> Any:
     """Put a layer running ``parts`` in ``module.path``; returns it. ``assign``: the target is an
     attribute instances are assigned, and the layer an :class:`~shim.assigning.AssignmentLayer`."""
@@ -230,11 +223,6 @@ def remove(module: object, path: str, layer: object) -> str | None:
         # A non-wrapt wrapper (e.g. a functools.wraps closure) holds ours: it cannot be spliced
         # out, so it stays in place with no part, a plain pass-through.
         return str(exc)
-    try:
-        parent, attribute, _current = wrapt.resolve_path(module, path)
-    except wrapt.PathResolutionError:
-        return None
-    _drop_dispatch(parent, attribute)
     return None
 
 
