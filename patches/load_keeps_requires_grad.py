@@ -6,9 +6,9 @@ loaded parameter with ``requires_grad=value.is_floating_point()`` and ignores th
 
 Fix: ``set_param_for_module`` and ``_load_parameter_into_model`` are wrapped; the parameter in the
 slot is noted before the call, and a replacement that came back trainable where the old one was
-frozen is frozen again. Where the loader hands over its per-load record (``loading_info``, 5.2x), the
-frozen parameters' names are noted once per load, and a call for any other tensor goes straight to
-upstream. Arguments are read by name or position (a shape probe checks the leading three, which
+frozen is frozen again. The frozen parameters' names are noted once per load (a load is told by
+the object the loader hands every call of it fourth: ``loading_info`` in 5.2x, a set of keys before),
+and a call for any other tensor goes straight to upstream. Arguments are read by name or position (a shape probe checks the leading three, which
 every signature of the loader shares).
 
 Limits: only frozen → trainable is undone (trainable → frozen is transformers' intent for integer
@@ -65,18 +65,21 @@ def _submodule(model, path: str):
     return module
 
 
-# The load under way: (a weak reference to the model, one to its loading_info, the names of the
-# parameters that were frozen when it started). One load at a time fills the model's slots.
+# The load under way: (a weak reference to the model, one to the object that tells its calls, the
+# names of the parameters that were frozen when it started). One load at a time fills a model's slots.
 _load: list = [None, None, frozenset()]
 
 
 def _frozen_at_start(model, info) -> frozenset:
-    """The names of ``model``'s frozen parameters as the load recorded by ``info`` started."""
+    """The names of ``model``'s frozen parameters as the load ``info`` belongs to started (``info``:
+    what the loader hands each call of one load fourth). Raises ``TypeError``, before any walk, where
+    ``info`` or the model takes no weak reference."""
     model_ref, info_ref, frozen = _load
     if model_ref is not None and model_ref() is model and info_ref() is info:
         return frozen
+    references = [weakref.ref(model), weakref.ref(info)]
     frozen = frozenset(_frozen_names(model))
-    _load[:] = [weakref.ref(model), weakref.ref(info), frozen]
+    _load[:] = [*references, frozen]
     return frozen
 
 

@@ -131,3 +131,32 @@ def test_load_counts_each_parameter_kept_frozen(ledger):
         f"kept {frozen} parameter(s) of FrozenBaseLlama frozen that transformers {transformers.__version__} "
         "made trainable while loading",
     )
+
+
+def test_the_frozen_parameters_are_noted_once_per_load(monkeypatch):
+    """The loader hands every call of one load the same fourth argument (``loading_info`` from 5.2x,
+    a set of mismatched keys before): the frozen names are noted once per load, and every other
+    tensor goes straight to upstream. An argument that takes no weak reference (a dict) leaves each
+    call to look at its own slot, with no walk of the model."""
+    from shim.patches import load_keeps_requires_grad as patch
+    from shim.selfcheck.models import tiny_llama
+
+    walks = []
+    original = patch._frozen_names
+    monkeypatch.setattr(patch, "_frozen_names", lambda model: walks.append(1) or original(model))
+    model = tiny_llama(2)
+    model.model.layers[0].requires_grad_(False)
+    names = [name for name, _parameter in model.named_parameters()]
+    passed = []
+
+    def upstream(*args, **kwargs):
+        passed.append(args[1])
+
+    class LoadInfo:  # what transformers' LoadStateDictInfo is to the patch: an object of one load
+        pass
+
+    for load in (LoadInfo(), set(), {}):
+        for name in names:
+            patch._set_param_for_module(upstream, None, (model, name, None, load, None), {})
+    assert walks == [1, 1], "once per load; none where the load cannot be told"
+    assert passed == names * 3
