@@ -144,8 +144,8 @@ if _report is not False:
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
 # after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit
-# outside the built-ins' of the same place on a target, and it never takes a built-in's name. Where a pack is
-# installed its module is imported now, since only its Patch knows its targets (``shim.packs``).
-packs.load(registry.names, register)
+# outside the built-ins' of the same place on a target, and it never takes a built-in's name. Their
+# modules wait for their targets, as the built-ins' do (``shim.packs``).
+packs.load(registry)
 
 activate()

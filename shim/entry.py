@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from . import order
 from .runtime import Switch
 
 if TYPE_CHECKING:
@@ -82,14 +83,14 @@ class Entry:
     """One patch in a registry: its declaration, what the user chose, its state and its layers."""
 
     __slots__ = (
-        "declared", "patch", "rank", "state", "why", "final", "active", "choice", "suspended", "forced",
+        "declared", "patch", "sequence", "state", "why", "final", "active", "choice", "suspended", "forced",
         "retake", "switch", "gate", "notes", "layers", "done_modules",
     )  # fmt: skip
 
-    def __init__(self, declared: Declared, active: bool, rank: tuple[int, int] = (1, 0)) -> None:
+    def __init__(self, declared: Declared, active: bool, sequence: int = 0) -> None:
         self.declared = declared
         self.patch: Patch | None = None  # loaded on the first target import (or a status)
-        self.rank = rank  # where its parts sit on a target (shim.order.rank)
+        self.sequence = sequence  # when it registered: with its place, where its parts sit (shim.order.rank)
         # The state and what caused it, written only by _set (``reason`` is made from them). ``final``:
         # skipped or failed by advance (its targets were looked at), not by what a refresh saw.
         self.state, self.why, self.final = PENDING, NOT_ACTIVATED, False
@@ -184,6 +185,12 @@ class Entry:
             variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
             self._set(DISABLED, f"opted out with {variable}")
             return Progress(None)
+        if not self.declared.modules:  # a pack that lists no target modules: its Patch says them (shim.packs)
+            try:
+                self.load()
+            except Exception as exc:
+                self._give_up(FAILED, unloadable(exc))
+                return Progress(unloadable(exc))
         todo = [m for m in self.declared.modules if m not in self.done_modules]
         now = [m for m in todo if ready(m)]
         waiting = tuple(m for m in todo if m not in now)
@@ -219,7 +226,11 @@ class Entry:
             # metadata read (the log decides it the same way, when it shows the line).
             from .gating import gate
 
-            skip = gate(self.declared, forced).skip
+            try:
+                skip = gate(self.declared, forced).skip  # a pack's gate is in its Patch: this imports it
+            except Exception as exc:
+                self._give_up(FAILED, unloadable(exc))
+                return
             if skip is not None:
                 self._set(SKIPPED, skip, level=logging.DEBUG)
             elif self.state is SKIPPED:
@@ -234,13 +245,14 @@ class Entry:
     def reason(self) -> str:
         """Why the patch is in its state, made here and only here: from the state, its cause, the
         gate, the notes and the target modules it still waits for."""
-        state, waiting = self.state, self.waiting()
+        state = self.state
         if state is APPLIED or (state is PENDING and self.layers):
             gate = self.gate.reason if self.gate is not None else ""
+            waiting = self.waiting()
             rest = f"the rest {_applies_when(waiting)}" if waiting else ""
             return "; ".join(filter(None, [gate, *self.notes, rest, self.why]))
         if state is PENDING:
-            why = self.why or _applies_when(waiting)
+            why = self.why or _applies_when(self.waiting())
             return why if self.gate is not None else f"{why}; {self._gate_now()[1]}"
         return self.why
 
@@ -261,7 +273,10 @@ class Entry:
         """Whether the gate leaves the patch out (its targets not imported yet), and what it says."""
         from .gating import gate
 
-        found = gate(self.declared, self.forced)
+        try:
+            found = gate(self.declared, self.forced)
+        except Exception as exc:  # a pack's module that cannot be imported (its gate is in it)
+            return True, unloadable(exc)
         return (True, found.skip) if found.skip is not None else (False, found.versions.reason)
 
     # -- the steps ------------------------------------------------------------------------------
@@ -275,7 +290,7 @@ class Entry:
         try:
             patch = self.load()
         except Exception as exc:
-            return FAILED, f"the patch module cannot be imported: {exc!r}"
+            return FAILED, unloadable(exc)
         self.gate = gating.between_releases(gating.gate(self.declared, self.forced), patch)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip
@@ -286,7 +301,8 @@ class Entry:
         if self.layers is None:
             self.layers = Layers(patch.name)
         try:
-            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch, self.rank)
+            rank = order.rank(patch.place, self.sequence)
+            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch, rank)
         except Exception as exc:
             return FAILED, f"wrapping failed and was rolled back: {exc!r}"
         if switch is not self.switch:  # adopted a part already there, with its switch
@@ -368,6 +384,13 @@ class Entry:
         if before is not None and (what or before != (state, self.reason)):
             shown_state, reason = self.shown()
             log.log(level, "%s: %s (%s)", self.name, what or shown_state, reason)
+
+
+def unloadable(exc: Exception) -> str:
+    """Why a patch's declaration cannot be had (a pack's error says all; a module's is quoted)."""
+    from .settings import PackError
+
+    return str(exc) if isinstance(exc, PackError) else f"the patch module cannot be imported: {exc!r}"
 
 
 def _applies_when(modules: list[str], again: bool = False) -> str:

@@ -200,13 +200,21 @@ class Patch:
 
 
 class Declared(Protocol):
-    """What a registry needs of a patch before applying it: a :class:`Patch`, or a catalogue
-    listing (``shim.catalogue.Listing``) that imports the patch's module on :meth:`load`."""
+    """What a registry needs of a patch before applying it: a :class:`Patch`, a catalogue listing
+    (``shim.catalogue.Listing``) or a patch pack's (``shim.packs.Pack``), which import the patch's
+    module on :meth:`load`."""
 
-    name: str
-    distribution: str
-    requires: str
-    place: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def distribution(self) -> str: ...
+
+    @property
+    def requires(self) -> str: ...
+
+    @property
+    def place(self) -> str: ...
 
     @property
     def modules(self) -> tuple[str, ...]: ...

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import gating, runtime
-from .entry import State
+from .entry import State, unloadable
 from .ranges import version_range
 
 if TYPE_CHECKING:
@@ -66,7 +66,14 @@ def status_of(entry: Entry) -> PatchStatus:
     entry's state and reason, the declaration, other patchers on its targets, and its effects."""
     declared = entry.declared
     reason = entry.reason
-    installed = entry.installed_version or gating.installed_version(declared.distribution)
+    patch, missing = _declaration(entry)
+    if missing:
+        reason = f"{reason}; {missing}"
+    # Its gate: the Patch's, or the catalogue's listing of a built-in whose module failed; unknown
+    # for a pack's patch whose module is not imported.
+    gated = patch if patch is not None else None if getattr(declared, "foreign", False) else declared
+    distribution = gated.distribution if gated is not None else ""
+    installed = entry.installed_version or (gating.installed_version(distribution) if distribution else None)
     found = []
     if entry.layers:
         from . import others
@@ -78,17 +85,14 @@ def status_of(entry: Entry) -> PatchStatus:
         found = others.blocking(entry.load(), [m for m in declared.modules if m in sys.modules])
         others.say(declared.name, found)
         reason = "; ".join([reason, *(f"{o.target} holds {o.by}, another patcher's" for o in found)])
-    try:
-        patch: Patch | None = entry.load()
-    except Exception as exc:  # reported, never raised: a status must always come back
-        patch, reason = None, f"{reason}; the patch module cannot be imported: {exc!r}"
-    reason = "; ".join([reason, *newer_than_measured(declared.distribution, patch)])
+    if distribution:
+        reason = "; ".join([reason, *newer_than_measured(distribution, patch)])
     return PatchStatus(
         name=declared.name,
         state=entry.state,
         reason=reason,
         targets=tuple(t.spec for t in patch.targets) if patch else (),
-        requires=f"{declared.distribution}{version_range(declared.requires)}",
+        requires=f"{distribution}{version_range(gated.requires)}" if gated is not None else "",
         installed=installed,
         summary=patch.summary if patch else "",
         references=links(patch.references) if patch else (),
@@ -98,6 +102,19 @@ def status_of(entry: Entry) -> PatchStatus:
         suspended=entry.suspended > 0,
         provider=getattr(declared, "provider", ""),  # a catalogue listing's or a pack's; a plain Patch has none
     )
+
+
+def _declaration(entry: Entry) -> tuple[Patch | None, str]:
+    """The patch's declaration for its status, or ``None`` and what the reason adds: a pack's patch
+    that is switched off is not imported to be shown (``shim.packs.Pack.foreign``)."""
+    declared = entry.declared
+    if getattr(declared, "foreign", False) and entry.patch is None and entry.state is State.DISABLED:
+        return None, "its module is not imported while it is switched off"
+    try:
+        patch = entry.load()
+    except Exception as exc:  # reported, never raised: a status must always come back
+        return None, "" if entry.state is State.FAILED else unloadable(exc)  # a failed one's reason says why
+    return patch, getattr(declared, "note", "")  # a pack's: where its module was imported
 
 
 def refused_by_a_probe(entry: Entry) -> bool:

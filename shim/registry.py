@@ -50,12 +50,22 @@ class Registry:
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
             order.check_after(patch, {e.name: e.declared.place for e in self._entries.values()})
-            rank = order.rank(patch.place, len(self._entries))
-            self._entries[patch.name] = Entry(patch, active=self._active, rank=rank)
+            self._entries[patch.name] = Entry(patch, active=self._active, sequence=len(self._entries))
             active = self._active
         if active:
             self._try_apply(patch.name)
         return patch
+
+    def check_order(self, patch: Patch) -> None:
+        """Raise :class:`shim.order.OrderError` where ``patch``'s ``after`` cannot hold among the patches
+        registered before it: :meth:`register` checks this, and a pack's patch, whose ``after`` is
+        known once its module is imported, is checked then."""
+        with self._lock:
+            names = list(self._entries)
+            before = names[: names.index(patch.name)] if patch.name in names else names
+            named = [name for name in order.after_of(patch) if name in before]
+            placed = {name: self._entries[name].load().place for name in named}
+        order.check_after(patch, placed)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -23,6 +23,11 @@ class PatchError(RuntimeError):
     """
 
 
+class PackError(ImportError):
+    """A patch pack's patch that cannot be loaded (``shim.packs``): the message names the pack, the
+    entry point and why; it was warned about once."""
+
+
 class ShimWarning(UserWarning):
     """A configuration problem the shim worked around (bad environment value, shadowed package)."""
 

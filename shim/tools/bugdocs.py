@@ -51,7 +51,10 @@ def of_pack(registry: Registry, name: str) -> str | None:
     declared = registry.declared(name)
     if not isinstance(declared, Pack):
         return None
-    patch = declared.patch
+    try:
+        patch = registry.patch(name)  # its module imported, where it was not (switched off, say)
+    except Exception as exc:
+        return f"## {name}\n\nFrom the patch pack {declared.provider} {declared.version}: {exc}"
     module = sys.modules.get(declared.module)
     story = inspect.getdoc(module) if module is not None else None
     lines = [

@@ -33,13 +33,13 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequen
 
 def column_widths(rows: Sequence[Sequence[object]]) -> list[int]:
     """The width of each column of ``rows`` (the header among them): its widest cell."""
-    return [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return [max(len(printable(str(row[i]))) for row in rows) for i in range(len(rows[0]))]
 
 
 def table_line(row: Sequence[object], widths: Sequence[int], right: Sequence[int] = ()) -> str:
     """One line of a table whose columns are ``widths`` wide (a wider cell pushes the rest along):
     doctor prints each row as its check finishes, before the others are known."""
-    cells = [str(cell) for cell in row]
+    cells = [printable(str(cell)) for cell in row]
     parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
     return "  ".join(parts).rstrip()
 
@@ -50,8 +50,19 @@ def rule(widths: Sequence[int]) -> str:
 
 
 def fitted(text: str, wide: bool = False, indent: str = "", more: str = "  ") -> list[str]:
-    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``."""
+    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``; :func:`printable`."""
+    text = printable(text)
     return [indent + text] if wide else _wrap(text, WIDTH, indent, more)
+
+
+def printable(text: str, keep: str = "") -> str:
+    """``text`` for a terminal: each character that does not print (ESC, BEL, a carriage return, a
+    bidirectional override) escaped as ``repr`` escapes it, as the shim's messages quote ``SHIM_*``
+    values; ``keep``: characters left as they are (explain keeps its newlines). A patch pack's
+    summary, story, reason or self-check error cannot move the cursor or colour the screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:

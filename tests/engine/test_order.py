@@ -110,11 +110,15 @@ PATCH = Patch(name=NAME, summary="s", distribution=DIST, requires=">=1.0",
               targets=(Target(TARGET + ":one", lambda w, i, a, k: w(*a, **k)),), after=("no-such-patch",))
 """
     monkeypatch.syspath_prepend(str(tmp_path))
-    write_pack(tmp_path, {"orderly-one": "{n}.fixes:PATCH"}, source=source)
+    name = write_pack(tmp_path, {"orderly-one": "{n}.fixes:PATCH"}, source=source)
     registry = Registry()
+    packs.load(registry, paths=[str(tmp_path)])
+    registry.activate()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        packs.load(registry.names, registry.register, paths=[str(tmp_path)])
+        __import__(f"{name}.target")  # its module is imported with it: its order is known from then
+        (status,) = registry.status()
     said = [str(w.message) for w in caught if issubclass(w.category, shim.ShimWarning)]
     assert len(said) == 1 and "its place in the order cannot hold" in said[0] and "no-such-patch" in said[0]
-    assert registry.names == ()
+    assert status.state == "failed" and "its place in the order cannot hold" in status.reason
+    registry.deactivate()

@@ -106,10 +106,24 @@ ROOMS = {
         "shim.patch",
         "shim.ranges",
     },  # whether a patch applies
-    "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
+    "shim.entry": {
+        "shim.gating",
+        "shim.layers",
+        "shim.others",
+        "shim.runtime",
+        "shim.patch",
+        "shim.settings",
+        "shim.order",
+    },
     "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch", "shim.ranges"},
     "shim.catalogue": {"shim.patch", "shim.settings", "shim.order"},  # the built-in patches' index
-    "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings", "shim.order"},  # other distributions' patches
+    "shim.packs": {
+        "shim.importhooks",
+        "shim.patch",
+        "shim.settings",
+        "shim.order",
+        "shim.registry",
+    },  # other distributions' patches, handed to a registry
     "shim.registry": {
         "shim.entry",
         "shim.records",

@@ -71,7 +71,7 @@ APPLIED = (
     + """
 import importlib, json, sys
 import shim
-waits = "transformers.trainer_utils" not in sys.modules  # the pack's module is imported, its target is not
+waits = not {"transformers.trainer_utils", "shim_example_pack.fixes"} & set(sys.modules)  # the pack waits for its target
 import transformers.trainer
 from transformers import trainer_utils
 importlib.reload(shim)  # idempotent: the new registry adopts the layer
@@ -123,14 +123,17 @@ def test_shim_disable_opts_the_pack_out_by_name(site):
     code = (
         OUTPUT
         + """
+import sys
 import shim
 from transformers import trainer_utils
 (status,) = [s for s in shim.status() if s.name == "example-resume-complete-checkpoint"]
-print(os.path.basename(trainer_utils.get_last_checkpoint(output)), "|", status.state, "|", status.reason)
+imported = "shim_example_pack.fixes" in sys.modules
+print(os.path.basename(trainer_utils.get_last_checkpoint(output)), "|", status.state, "|", imported, "|", status.reason)
 """
     )
     out = run(site, code=code, env={"SHIM_DISABLE": "EXAMPLE_RESUME_COMPLETE_CHECKPOINT"}).stdout.strip()
-    assert out == "checkpoint-20 | disabled | opted out with SHIM_DISABLE=example-resume-complete-checkpoint"
+    reason = "opted out with SHIM_DISABLE=example-resume-complete-checkpoint; its module is not imported while it is switched off"
+    assert out == f"checkpoint-20 | disabled | False | {reason}"
 
 
 def test_doctor_runs_the_packs_self_check(site):
@@ -160,4 +163,4 @@ def test_the_packs_own_test_passes(site):
     tests = site / "source" / "tests"  # with the pack's own pytest settings (its pyproject.toml)
     result = run(site, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                  env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
-    assert next(line for line in result.stdout.splitlines() if " passed" in line).startswith("3 passed")
+    assert next(line for line in result.stdout.splitlines() if " passed" in line).startswith("4 passed")

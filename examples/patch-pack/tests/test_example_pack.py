@@ -44,3 +44,15 @@ def test_the_trainer_gets_the_fix_and_a_finished_checkpoint_is_upstreams(output_
     with open(os.path.join(output_dir, "checkpoint-20", STATE), "w") as state:
         state.write("{}")  # the save finished after all: upstream's answer stands
     assert get_last_checkpoint(output_dir) == os.path.join(output_dir, "checkpoint-20")
+
+
+def test_pyproject_lists_the_target_modules():
+    """`python -m shim pack-index --check`: the target modules pyproject.toml lists are the patches' own."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "-m", "shim", "pack-index", "--check", root], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
