@@ -13,6 +13,7 @@ from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 
 from .. import __version__
 from ..catalogue import PROVIDER as BUILTIN
+from ..packs import GROUP, TARGETS
 from ..settings import shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .report import WIDTH, fitted  # the tables, the report and the help texts fit this many columns
@@ -31,7 +32,7 @@ class _HasName(Protocol):
 
 _Named = TypeVar("_Named", bound=_HasName)
 
-COMMANDS = ("status", "doctor", "explain", "bug-report", "run")
+COMMANDS = ("status", "doctor", "explain", "bug-report", "new-pack", "pack-index", "run")
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -98,6 +99,27 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     report.set_defaults(parser=report)
+    new_pack = commands.add_parser(
+        "new-pack",
+        help="write a patch pack that works as it is, to start one from",
+        description="Write a patch pack called NAME into DIR (default: ./NAME): pyproject.toml with its entry\n"
+        "points, a module with a Patch gated on the installed transformers' major release, a self-check,\n"
+        "a test and a README. It installs with pip, and is listed, opted out and doctor-checked as it is.",
+        formatter_class=_formatter,
+    )
+    new_pack.add_argument("name", help="the pack's name, kebab-case: its distribution, package and first patch")
+    new_pack.add_argument("dir", nargs="?", help="the folder to write it into (default: ./NAME; new or empty)")
+    new_pack.set_defaults(parser=new_pack)
+    pack_index = commands.add_parser(
+        "pack-index",
+        help="list a patch pack's target modules in its pyproject.toml",
+        description=f"Import the patches a pack's pyproject.toml declares ({GROUP}) and list the modules\n"
+        f"each targets in {TARGETS}: the shim then imports a patch's module only once one of them is.",
+        formatter_class=_formatter,
+    )
+    pack_index.add_argument("dir", nargs="?", default=".", help="the pack's folder (default: the current one)")
+    pack_index.add_argument("--check", action="store_true", help="change nothing; exit 1 where the list is stale")
+    pack_index.set_defaults(parser=pack_index)
     commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
@@ -257,12 +279,24 @@ def _command(argv: list[str]) -> int:
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        parser.error(f"no command {shown(argv[0])}; use {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]}")
+        from ..settings import did_you_mean
+
+        parser.error(
+            f"no command {shown(argv[0])}; {did_you_mean(argv[0], COMMANDS, 'python -m shim --help lists them')}"
+        )
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # shown with the usage of the command they were given to, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "new-pack":
+        from .newpack import new_pack
+
+        return new_pack(args.name, args.dir)
     import shim
 
+    if args.command == "pack-index":
+        from .packindex import index
+
+        return index(args.dir, args.check)
     if args.command == "explain":
         return _explain(args, shim)
     if args.command == "bug-report":
@@ -296,10 +330,12 @@ def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     if text is None:
         say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1
+    from .report import printable
+
     if args.markdown:
-        print(bugdocs.reflow(text, WIDTH))
+        print(printable(bugdocs.reflow(text, WIDTH), keep="\n"))
     else:
-        print(bugdocs.reflow(text, terminal_width(), plain=True))
+        print(printable(bugdocs.reflow(text, terminal_width(), plain=True), keep="\n"))
     return 0
 
 
@@ -322,7 +358,7 @@ def patch_list(registry: Registry) -> str:
         except Exception as exc:  # a module that cannot be imported: say so, list the rest
             summary = f"(its module cannot be imported: {exc!r})"
         provider = getattr(registry.declared(name), "provider", "")
-        lines.append(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""))
+        lines += fitted(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""), True)
         lines += fitted(summary, False, "    ", "    ")
     lines += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
     return "\n".join(lines)

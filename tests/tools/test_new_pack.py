@@ -1,0 +1,101 @@
+"""``python -m shim new-pack NAME [DIR]``: the pack it writes installs as it is, and is listed, opted
+out and doctor-checked with no edit; its own tests pass; ``pack-index --check`` holds for it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, clean_environment
+from tests.tools.test_patch_pack import installer
+
+pytestmark = pytest.mark.any_version  # the gate is written from the installed transformers
+
+NAME = "my-team-fixes"
+
+
+def shim_command(*args, site=None, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    clean = clean_environment(env)
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(site or "")]))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=clean, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    """The new pack's folder, and the folder it is installed into."""
+    root = tmp_path_factory.mktemp("new-pack")
+    done = shim_command("-m", "shim", "new-pack", NAME, str(root / "source"))
+    assert done.returncode == 0, done.stderr
+    assert f"the patch pack {NAME}" in done.stdout
+    installed = subprocess.run(installer(root / "site", root / "source"), capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    return root / "source", root / "site"
+
+
+def test_the_new_pack_is_listed_as_a_pack_that_will_apply(pack):
+    _source, site = pack
+    lines = shim_command("-m", "shim", site=site).stdout.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
+    assert lines[row].split()[1:3] == ["will", "apply"]
+    assert f"from: {NAME} (a patch pack)" in [line.strip() for line in lines[row : row + 4]]
+
+
+def test_the_new_pack_waits_for_its_target_and_is_opted_out_by_name(pack):
+    _source, site = pack
+    code = """
+import json, sys
+import shim
+before = "my_team_fixes.fixes" in sys.modules
+import transformers.trainer_utils
+(status,) = [s for s in shim.status() if s.name == "my-team-fixes"]
+print(json.dumps([before, "my_team_fixes.fixes" in sys.modules, str(status.state)]))
+"""
+    assert json.loads(shim_command("-c", code, site=site).stdout) == [False, True, "applied"]
+    off = shim_command("-c", code, site=site, env={"SHIM_DISABLE": NAME})
+    assert json.loads(off.stdout) == [False, False, "disabled"]
+
+
+def test_doctor_checks_the_new_pack(pack):
+    _source, site = pack
+    done = shim_command("-m", "shim", "doctor", "--json", NAME, site=site)
+    assert done.returncode == 0, done.stderr
+    (finding,) = json.loads(done.stdout)
+    assert (finding["state"], finding["bug_upstream"], finding["bug_with_shim"]) == ("applied", "no", "no")
+
+
+def test_the_new_packs_own_tests_pass(pack):
+    source, site = pack
+    done = shim_command("-m", "pytest", "-q", "-p", "no:cacheprovider", str(source / "tests"), site=site, cwd=source)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 passed" in done.stdout
+
+
+def test_a_name_that_is_no_patch_name_or_a_folder_in_use_is_refused(tmp_path):
+    done = shim_command("-m", "shim", "new-pack", "My_Fixes", str(tmp_path / "a"))
+    assert done.returncode == 2 and "'My_Fixes' is not a patch name" in done.stderr
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    done = shim_command("-m", "shim", "new-pack", NAME, str(tmp_path / "b"))
+    assert done.returncode == 2 and "exists and is not an empty folder" in done.stderr
+    assert os.listdir(tmp_path / "b") == ["keep.txt"]
+
+
+def test_pack_index_writes_and_checks_the_target_modules(tmp_path):
+    assert shim_command("-m", "shim", "new-pack", NAME, str(tmp_path / "p")).returncode == 0
+    pyproject = tmp_path / "p" / "pyproject.toml"
+    written = pyproject.read_text()
+    fixes = tmp_path / "p" / "src" / "my_team_fixes" / "fixes.py"
+    fixes.write_text(
+        fixes.read_text().replace("transformers.trainer_utils:set_seed", "transformers.trainer:Trainer.train")
+    )
+    stale = shim_command("-m", "shim", "pack-index", "--check", str(tmp_path / "p"))
+    assert stale.returncode == 1 and "run python -m shim pack-index" in stale.stderr
+    assert pyproject.read_text() == written, "--check changes nothing"
+    assert shim_command("-m", "shim", "pack-index", str(tmp_path / "p")).returncode == 0
+    assert '"my-team-fixes.transformers.trainer" = "transformers.trainer"' in pyproject.read_text()
+    assert "transformers.trainer_utils" not in pyproject.read_text().split("hf_train_shim.targets", 1)[1]
+    assert shim_command("-m", "shim", "pack-index", "--check", str(tmp_path / "p")).returncode == 0
+    missing = shim_command("-m", "shim", "pack-index", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "No such file" in missing.stderr
