@@ -21,6 +21,10 @@ user wrote it while the shim (or the patch) is off.
    skipped with the reason, and ``SHIM_STRICT=1`` raises there.
 7. An enable passes each layer through each fix once, and the enable path carries one shim layer
    (the cycle's cost is measured in ``benchmarks/overhead.py``, never in a test).
+8. A step declared later, in its own module with the public API (``tests/patches/late_step.py``),
+   still acts before finds-layer's hand-over.
+9. A step with nothing to do (no ``act`` nor ``given``, or an ``act`` without ``applies``) is refused
+   where its targets are taken.
 
 Only public behaviour is read: gradients, counts of hook and checkpoint-function calls, the class's
 ``forward`` and shim's public API. Do-no-harm runs of items 1, 2, 4 and 5 are in
@@ -861,7 +865,7 @@ def test_an_enable_passes_each_layer_through_the_path_once():
         sys.setprofile(None)
     assert calls[("assigning.py", "__set__")] == 4, calls  # one pass per layer
     # decided once per step for the function every layer gets, and shared: the two reentrant steps apply
-    assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 2, calls
+    assert calls[("function.py", "layer_checkpoint")] == 2, calls
     steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))
     assert steps_asked <= len(on_the_path), calls
 
@@ -925,3 +929,19 @@ def test_a_step_declared_later_after_a_built_in_acts_before_finds_layers_hand_ov
     assert out["seen"] and not any(out["seen"]), "the late step acts before finds-layer's hand-over"
     assert out["wrong"] == []
     assert out["effects"]["checkpoint-function-finds-layer"] > 0
+
+
+# -- 9: a step that cannot act is refused where it is declared ------------------------------------------
+
+
+def test_a_step_with_nothing_to_do_is_refused_where_its_targets_are_taken():
+    """``targets(STEP)`` runs when the patch module is imported: a step with neither an ``act`` nor a
+    ``given``, or an ``act`` without ``applies``, fails there, saying what it lacks, not at an enable."""
+    from shim.checkpointing import Step, targets
+
+    with pytest.raises(TypeError, match="an act, a given, or both"):
+        targets(Step("nothing-to-do"))
+    with pytest.raises(TypeError, match="needs applies"):
+        targets(Step("acts-on-nothing", act=lambda layer, function, args: None))
+    slot, setstate = targets(Step("told-only", given=lambda layer, function: function))
+    assert slot.assign and not setstate.assign

@@ -195,6 +195,8 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
     for row in catalogue.INDEX:
         assert f"shim/patches/{row['module']}.py" in names
     assert "shim/py.typed" in names
+    for module in ("__init__", "path", "function"):  # the public checkpointing path, shim.checkpointing
+        assert f"shim/checkpointing/{module}.py" in names
     assert "shim/tools/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
     assert [name for name in names if name.startswith("shim/docs/")] == ["shim/docs/bugs.md"]  # explain's text
     with zipfile.ZipFile(wheel) as archive:
