@@ -149,6 +149,21 @@ def test_the_wings_sit_beside_the_engine():
     assert not {"cli.py", "doctor.py", "run.py", "tinymodels.py"} & set(top)
 
 
+def test_only_patch_modules_import_the_checkpointing_path():
+    """``import shim`` never loads ``shim.checkpointing``: neither the front door nor a room nor a wing
+    imports it; a patch module with a step does, once its target module is imported."""
+    graph = shim_graph()
+    assert {"shim.checkpointing", "shim.checkpointing.path"} <= set(graph), "where this test looks"
+
+    def on_the_path(name):
+        return name == "shim.checkpointing" or name.startswith("shim.checkpointing.")
+
+    importers = sorted(
+        name for name, imported in graph.items() if not on_the_path(name) and any(map(on_the_path, imported))
+    )
+    assert importers == []
+
+
 def test_every_room_imports_only_the_rooms_below_it():
     graph = engine_graph()
     rooms = set(graph) - FRONT - {"shim.tools", "shim.selfcheck"}
