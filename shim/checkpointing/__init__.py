@@ -19,8 +19,9 @@ edited for a new step::
   :class:`LayerMethod`, :func:`layer_of`, :func:`is_reentrant`, :func:`any_grad`,
   :func:`wants_grad`, :func:`bind_torch`, and :func:`eager` for the step's per-call code.
 
-``import shim`` does not import this package: the patch modules with a step do, when their target
-module is imported. It imports neither torch nor transformers itself.
+``import shim`` itself does not import this package: a patch module with a step does, a built-in's
+when its target module is imported, a pack's when ``import shim`` imports the pack. It imports
+neither torch nor transformers itself.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def test_the_wings_sit_beside_the_engine():
 
 def test_only_patch_modules_import_the_checkpointing_path():
     """``import shim`` never loads ``shim.checkpointing``: neither the front door nor a room nor a wing
-    imports it; a patch module with a step does, once its target module is imported."""
+    imports it; a patch module with a step does (a built-in's once its target module is imported)."""
     graph = shim_graph()
     assert {"shim.checkpointing", "shim.checkpointing.path"} <= set(graph), "where this test looks"
 
