@@ -20,7 +20,7 @@ edited for a new step::
   :func:`wants_grad`, :func:`bind_torch`, and :func:`eager` for the step's per-call code.
 
 ``import shim`` itself does not import this package: a patch module with a step does, a built-in's
-when its target module is imported, a pack's when ``import shim`` imports the pack. It imports
+when its target module is imported, a pack's whenever the shim imports that module. It imports
 neither torch nor transformers itself.
 """
 
