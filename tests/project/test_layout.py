@@ -104,6 +104,9 @@ ROOMS = {
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
     "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
+    # the checkpointing path, public: the steps' targets and what a step uses; built on the front
+    # door as a patch is, and imported only by patch modules with a step, never by the engine
+    "shim.checkpointing": {"shim.patch", "shim.runtime"},
     "shim.assigning": {"shim.parts"},  # an assign target's layer
     "shim.wrapping": {"shim.assigning", "shim.parts"},  # the layer in one target
     "shim.rebinding": set(),  # consumers' copies of a target
@@ -119,9 +122,6 @@ ROOMS = {
     "shim.entry": {"shim.gating", "shim.layers", "shim.others", "shim.runtime", "shim.patch", "shim.settings"},
     "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch", "shim.ranges"},
     "shim.catalogue": {"shim.patch", "shim.settings", "shim.order"},  # the built-in patches' index
-    # the checkpointing path, public: the steps' targets and what a step uses; built on the front
-    # door as a patch is, and imported only by patch modules with a step, never by the engine
-    "shim.checkpointing": {"shim.patch", "shim.runtime"},
     "shim.packs": {"shim.importhooks", "shim.patch", "shim.settings", "shim.order"},  # other distributions' patches
     "shim.registry": {
         "shim.entry",
