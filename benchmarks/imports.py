@@ -145,7 +145,9 @@ def measure(args, log) -> dict:
         "count": len(new),
         "third_party": sorted({m.split(".")[0] for m in new} - set(stdlib) - {"shim", "patches"}),
         "heavy": sorted(m for m in HEAVY if m in new),
-        "early": sorted(m for m in new if m.startswith(("shim.patches.", "wrapt", "packaging.specifiers"))),
+        "early": sorted(
+            m for m in new if m.startswith(("shim.patches.", "shim.checkpointing", "wrapt", "packaging.specifiers"))
+        ),
         "file": os.path.relpath(on[0]["shim_file"], ROOT) if on[0]["shim_file"] else None,
     }
 

@@ -3,7 +3,7 @@ run on every layer call or tower forward."""
 
 from __future__ import annotations
 
-from ._checkpoint_function import eager
+from shim.checkpointing import eager
 
 
 @eager

@@ -6,14 +6,14 @@ parameters, and other training frameworks' offload or selective wrappers) fail i
 once transformers checkpoints inside the layer's ``forward``: ``AttributeError: 'function' object
 has no attribute '__self__'``. The layer now hands over ``partial(forward, layer, **kwargs)``.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``), the innermost, so it acts last: a function that is not
+Fix: a step of the checkpointing path (``shim.checkpointing``), the innermost, so it acts last: a function that is not
 torch's or transformers' own, however a layer is given it, is handed the layer both ways:
 ``partial(<forward bound to the layer>, layer, **kwargs)``, so ``func.func.__self__`` and
 ``func.args[0]`` are the layer, and ``func(*args)`` as well as ``func.func(*args, **func.keywords)``
 run the same ``forward``. So is the recomputation a reentrant step hands over.
 
 Limits: ``func.func`` is a bound-method look-alike (``__func__``, ``__self__``, ``__name__``:
-``_checkpoint_function.LayerMethod``), not a ``types.MethodType``, so ``inspect.ismethod`` and
+``shim.checkpointing.LayerMethod``), not a ``types.MethodType``, so ``inspect.ismethod`` and
 ``inspect.isfunction`` are false for it; a model enabled before ``import shim`` gets the step when
 its layers are next given a function.
 
@@ -25,9 +25,7 @@ from __future__ import annotations
 import functools
 
 from shim import Patch, record_effect
-
-from . import _checkpoint_path
-from ._checkpoint_function import LayerMethod, bind_torch, eager
+from shim.checkpointing import LayerMethod, Step, bind_torch, eager, in_effect, probe, targets
 
 NAME = "checkpoint-function-finds-layer"
 
@@ -62,7 +60,7 @@ def _both_ways(layer, function, args):
     return functools.partial(LayerMethod(function.func, layer), *function.args, **function.keywords), args
 
 
-STEP = _checkpoint_path.Step(NAME, applies=_is_own, act=_both_ways)
+STEP = Step(NAME, applies=_is_own, act=_both_ways)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -91,10 +89,10 @@ PATCH = Patch(
     summary="A checkpoint function of your own finds its layer through the partial (func.func.__self__).",
     distribution="transformers",
     requires=">=5.23",
-    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
+    targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     self_check=_self_check,
-    in_effect=_checkpoint_path.in_effect(NAME, "hands your checkpoint function its layer both ways"),
+    in_effect=in_effect(NAME, "hands your checkpoint function its layer both ways"),
     # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
     place="innermost",
 )

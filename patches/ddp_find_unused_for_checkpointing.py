@@ -26,8 +26,8 @@ import functools
 import sys
 
 from shim import Patch, Target, record_effect
+from shim.checkpointing import is_reentrant
 
-from ._checkpoint_function import is_reentrant
 from ._checkpointing_state import MISSING
 from ._modules import first_trainable
 

@@ -6,7 +6,7 @@ Symptom (silent): with ``use_reentrant=True``, a checkpointed layer whose inputs
 trainable parameters no gradient, nor does any checkpointed layer after it: the reentrant
 checkpoint's output joins the graph only through inputs that require grad.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``), beside ``reentrant-keyword-grads``
+Fix: a step of the checkpointing path (``shim.checkpointing``), beside ``reentrant-keyword-grads``
 (the two never act on one call). A reentrant call in grad mode with no grad-requiring input, on a
 layer with a trainable parameter, gets one extra checkpoint input: a zero-size tensor that requires
 grad (an anchor), dropped before the layer runs. Gradients then equal a run without checkpointing; the layer
@@ -22,9 +22,19 @@ Full story, versions measured and references: docs/bugs.md#reentrant-frozen-inpu
 from __future__ import annotations
 
 from shim import Patch, record_effect
+from shim.checkpointing import (
+    Step,
+    any_grad,
+    bind_torch,
+    eager,
+    hand_over,
+    in_effect,
+    is_reentrant,
+    probe,
+    targets,
+    wants_grad,
+)
 
-from . import _checkpoint_path
-from ._checkpoint_function import any_grad, bind_torch, eager, hand_over, is_reentrant, wants_grad
 from ._modules import first_trainable
 
 NAME = "reentrant-frozen-input-grads"
@@ -75,7 +85,7 @@ def _tied(output, anchor):
     return output
 
 
-STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_anchor)
+STEP = Step(NAME, applies=is_reentrant, act=_anchor)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -94,12 +104,12 @@ PATCH = Patch(
     summary="Reentrant checkpointing gives trainable parameters their gradients when a layer's inputs are frozen.",
     distribution="transformers",
     requires=">=4.57",
-    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
+    targets=targets(STEP, probe=probe),
     references=(
         "docs/bugs.md#reentrant-frozen-input-grads",
         "huggingface/transformers#21381",
         "huggingface/transformers#23170",
     ),
     self_check=_self_check,
-    in_effect=_checkpoint_path.in_effect(NAME, "anchors reentrant calls none of whose inputs requires grad"),
+    in_effect=in_effect(NAME, "anchors reentrant calls none of whose inputs requires grad"),
 )

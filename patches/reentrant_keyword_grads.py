@@ -6,7 +6,7 @@ layer's own weights and everything before it) no gradient: only positional argum
 of ``torch.utils.checkpoint``; keywords ride hidden in a ``partial``. The only trace is torch's
 ``UserWarning: None of the inputs have requires_grad=True``.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``): whenever a layer is given a
+Fix: a step of the checkpointing path (``shim.checkpointing``): whenever a layer is given a
 reentrant checkpoint function (an enable, a restore, a direct assignment, an unpickled model), each
 checkpointed call with grad-requiring tensors in the keywords (also nested in tuples, lists, dicts)
 hands them to the checkpoint as extra inputs, put back into their keyword places on every run of
@@ -23,9 +23,7 @@ Full story, versions measured and references: docs/bugs.md#reentrant-keyword-gra
 from __future__ import annotations
 
 from shim import Patch, record_effect
-
-from . import _checkpoint_path
-from ._checkpoint_function import any_grad, bind_torch, eager, hand_over, is_reentrant
+from shim.checkpointing import Step, any_grad, bind_torch, eager, hand_over, in_effect, is_reentrant, probe, targets
 
 NAME = "reentrant-keyword-grads"
 
@@ -103,7 +101,7 @@ def _fill(template, tensors):
     return template.kind(filled)
 
 
-STEP = _checkpoint_path.Step(NAME, applies=is_reentrant, act=_lift)
+STEP = Step(NAME, applies=is_reentrant, act=_lift)
 
 # -- self-check (python -m shim doctor) ------------------------------------------------------------
 
@@ -127,8 +125,8 @@ PATCH = Patch(
     summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
     distribution="transformers",
     requires=">=4.57",
-    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
+    targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     self_check=_self_check,
-    in_effect=_checkpoint_path.in_effect(NAME, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
+    in_effect=in_effect(NAME, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
 )

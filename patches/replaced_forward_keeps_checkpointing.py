@@ -5,7 +5,7 @@ Symptom (silent): transformers checkpoints a layer inside a wrapper it puts on e
 afterwards (kernel libraries, tracers, your own patch) turns checkpointing off for every layer of
 that class: no error, no warning, the memory saving gone.
 
-Fix: a step of the checkpointing path (``_checkpoint_path.py``): when a layer is given a checkpoint
+Fix: a step of the checkpointing path (``shim.checkpointing``): when a layer is given a checkpoint
 function, its class is looked at once per ``forward`` object. A replacement gets transformers' own wrapper again
 (``GradientCheckpointingLayer.__init_subclass__``) and still runs, inside the checkpoint; a
 ``staticmethod``, ``classmethod`` or wrapt one is called as attribute lookup binds it. Left alone,
@@ -29,8 +29,7 @@ import types
 import weakref
 
 from shim import Patch, record_effect, switch_of, written_by
-
-from . import _checkpoint_path
+from shim.checkpointing import ATTRIBUTE, Step, targets
 
 NAME = "replaced-forward-keeps-checkpointing"
 MISSING = object()
@@ -101,7 +100,7 @@ def checks(forward, layers) -> str:
         # A function's own code (a wrapt proxy would answer with the wrapped function's), and a
         # wrapt proxy's wrapper function, which is what runs.
         for candidate in (function, getattr(function, "_self_wrapper", None)):
-            if type(candidate) is types.FunctionType and _checkpoint_path.ATTRIBUTE in candidate.__code__.co_names:
+            if type(candidate) is types.FunctionType and ATTRIBUTE in candidate.__code__.co_names:
                 return "own"
     return "replaced"
 
@@ -192,7 +191,7 @@ def _given(layer, function):
     return function
 
 
-STEP = _checkpoint_path.Step(NAME, given=_given)
+STEP = Step(NAME, given=_given)
 
 
 # -- following the switch --------------------------------------------------------------------------
@@ -259,7 +258,7 @@ PATCH = Patch(
     summary="A layer class whose forward was replaced after import still checkpoints when checkpointing is on.",
     distribution="transformers",
     requires=">=5.23",
-    targets=_checkpoint_path.targets(STEP, probe=_probe),
+    targets=targets(STEP, probe=_probe),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
     self_check=_self_check,
     in_effect=_in_effect,

@@ -1,12 +1,12 @@
 """A step on the checkpointing path declared after the built-ins were written, as a new patch (or a
-pack's) would be: "after reentrant-frozen-input-grads", naming no other step. Its act notes whether
-the function it is handed already carries the layer both ways (checkpoint-function-finds-layer's
-hand-over), then hands on a recomputation of its own in the shape the layer used.
-tests/patches/test_checkpointing_path.py registers it in a fresh interpreter."""
+pack's) would be, with the public API (``shim.checkpointing``): "after reentrant-frozen-input-grads",
+naming no other step. Its act notes whether the function it is handed already carries the layer
+both ways (checkpoint-function-finds-layer's hand-over), then hands on a recomputation of its own in
+the shape the layer used. tests/patches/test_checkpointing_path.py registers it in a fresh
+interpreter."""
 
 from shim import Patch
-from shim.patches import _checkpoint_path
-from shim.patches._checkpoint_function import hand_over
+from shim.checkpointing import Step, hand_over, probe, targets
 
 NAME = "late-step"
 SEEN: list = []  # per act: whether the function already had the layer as func.func.__self__
@@ -21,13 +21,13 @@ def _act(layer, function, args):
     return hand_over(function, recompute, layer), args
 
 
-STEP = _checkpoint_path.Step(NAME, applies=callable, act=_act)
+STEP = Step(NAME, applies=callable, act=_act)
 
 PATCH = Patch(
     name=NAME,
     summary="A late step that hands over its own recomputation.",
     distribution="transformers",
     requires=">=4.57",
-    targets=_checkpoint_path.targets(STEP, probe=_checkpoint_path.probe),
+    targets=targets(STEP, probe=probe),
     after=("reentrant-frozen-input-grads",),
 )

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shim
 from shim import runtime as effects
-from shim.patches._checkpoint_function import LayerCheckpoint
+from shim.checkpointing import LayerCheckpoint
 from shim.selfcheck.models import tiny_llama
 from shim.selfcheck.steps import (
     enable_checkpointing,

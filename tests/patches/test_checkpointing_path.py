@@ -21,6 +21,12 @@ user wrote it while the shim (or the patch) is off.
    skipped with the reason, and ``SHIM_STRICT=1`` raises there.
 7. An enable passes each layer through each fix once, and the enable path carries one shim layer
    (the cycle's cost is measured in ``benchmarks/overhead.py``, never in a test).
+8. A step declared later, in its own module with the public API (``tests/patches/late_step.py``),
+   still acts before finds-layer's hand-over.
+9. A step with nothing to do (no ``act`` nor ``given``, or an ``act`` without ``applies``) is refused
+   where its targets are taken.
+10. A patch pack's step (``shim.checkpointing`` alone, found through its entry point) sits outside the
+    built-ins' steps of its place, and finds-layer still acts after it.
 
 Only public behaviour is read: gradients, counts of hook and checkpoint-function calls, the class's
 ``forward`` and shim's public API. Do-no-harm runs of items 1, 2, 4 and 5 are in
@@ -861,7 +867,7 @@ def test_an_enable_passes_each_layer_through_the_path_once():
         sys.setprofile(None)
     assert calls[("assigning.py", "__set__")] == 4, calls  # one pass per layer
     # decided once per step for the function every layer gets, and shared: the two reentrant steps apply
-    assert calls[("_checkpoint_function.py", "layer_checkpoint")] == 2, calls
+    assert calls[("function.py", "layer_checkpoint")] == 2, calls
     steps_asked = sum(n for (file, name), n in calls.items() if name in ("is_reentrant", "_is_own"))
     assert steps_asked <= len(on_the_path), calls
 
@@ -925,3 +931,94 @@ def test_a_step_declared_later_after_a_built_in_acts_before_finds_layers_hand_ov
     assert out["seen"] and not any(out["seen"]), "the late step acts before finds-layer's hand-over"
     assert out["wrong"] == []
     assert out["effects"]["checkpoint-function-finds-layer"] > 0
+
+
+# -- 9: a step that cannot act is refused where it is declared ------------------------------------------
+
+
+def test_a_step_with_nothing_to_do_is_refused_where_its_targets_are_taken():
+    """``targets(STEP)`` runs when the patch module is imported: a step with neither an ``act`` nor a
+    ``given``, or an ``act`` without ``applies``, fails there, saying what it lacks, not at an enable."""
+    from shim.checkpointing import Step, targets
+
+    with pytest.raises(TypeError, match="an act, a given, or both"):
+        targets(Step("nothing-to-do"))
+    with pytest.raises(TypeError, match="needs applies"):
+        targets(Step("acts-on-nothing", act=lambda layer, function, args: None))
+    slot, setstate = targets(Step("told-only", given=lambda layer, function: function))
+    assert slot.assign and not setstate.assign
+
+
+# -- 10: a patch pack's step, through the public API ----------------------------------------------------
+
+PACK_STEP = """
+from shim import Patch
+from shim.checkpointing import Step, hand_over, probe, targets
+
+NAME = "pack-step"
+SEEN = []  # per act: whether the function already had the layer as func.func.__self__
+
+
+def _act(layer, function, args):
+    SEEN.append(hasattr(function.func, "__self__"))
+
+    def recompute(_layer, *inputs):
+        return function(*inputs)
+
+    return hand_over(function, recompute, layer), args
+
+
+STEP = Step(NAME, applies=callable, act=_act)
+PATCH = Patch(name=NAME, summary="A pack's step.", distribution="transformers", requires=">=4.57",
+              targets=targets(STEP, probe=probe))
+"""
+
+PACK_RUN = """
+import json, sys
+sys.path.insert(0, PACK_ROOT)  # where the pack is installed
+import torch
+import shim
+from shim.selfcheck.models import tiny_llama
+from shim.selfcheck.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
+import shim_step_pack.fixes as pack
+
+torch.manual_seed(0)
+model = tiny_llama(3)
+model.train()
+model.model.layers[0].requires_grad_(False)
+ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+loss_of = lambda m: m(ids, labels=ids).loss
+reference = trainable_grads(model, loss_of)
+model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=layer_finding_checkpoint())
+grads = trainable_grads(model, loss_of)
+slot = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
+print(json.dumps({
+    "order": [name for name, _layer in shim.wrappers(slot)],
+    "state": {s.name: s.state for s in shim.status()}["pack-step"],
+    "seen": pack.SEEN,
+    "wrong": wrong_grads(reference, grads),
+}))
+"""
+
+
+@from_5_23
+def test_a_patch_packs_step_is_ordered_with_the_built_ins_steps(tmp_path):
+    """A pack (another distribution, found through its entry point) declares a step with
+    ``shim.checkpointing`` alone: it registers after the built-ins, so its part sits outside theirs
+    of the same place (it acts first on a call), and finds-layer, innermost, still hands the layer
+    both ways to what the pack's step handed over."""
+    package = tmp_path / "shim_step_pack"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fixes.py").write_text(PACK_STEP)
+    metadata = tmp_path / "shim_step_pack-1.0.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-step-pack\nVersion: 1.0\n")
+    (metadata / "entry_points.txt").write_text("[hf_train_shim.patches]\npack-step = shim_step_pack.fixes:PATCH\n")
+    out = json.loads(
+        run_python(PACK_RUN.replace("PACK_ROOT", repr(str(tmp_path))), torch_first=True).stdout.splitlines()[-1]
+    )
+    assert out["state"] == "applied"
+    assert out["order"][0] == "pack-step" and out["order"][-1] == "checkpoint-function-finds-layer", out["order"]
+    assert out["seen"] and not any(out["seen"]), "the pack's step acts before finds-layer's hand-over"
+    assert out["wrong"] == []

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shim
 from shim import runtime as effects
-from shim.patches._checkpoint_function import is_reentrant
+from shim.checkpointing import is_reentrant
 from shim.selfcheck.models import frozen_input_llama
 from shim.selfcheck.steps import enable_checkpointing, trainable_grads, wrong_grads
 from shim.wrapping import find_shim_wrapper

@@ -19,8 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shim
 from shim import runtime
-from shim.patches import _checkpoint_path
-from shim.patches._checkpoint_function import LayerCheckpoint, is_reentrant, wants_grad
+from shim.checkpointing import LayerCheckpoint, is_reentrant, probe, wants_grad
 from shim.patches._checkpointing_state import same_function
 from shim.selfcheck.models import quiet_transformers, tiny_llama_config
 from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
@@ -78,7 +77,7 @@ def input_ids(model, batch=2, length=8):
 
 def test_patch_is_applied():
     assert shim.registry.is_on(NAME)
-    assert _checkpoint_path.probe(transformers.modeling_layers.GradientCheckpointingLayer) is None
+    assert probe(transformers.modeling_layers.GradientCheckpointingLayer) is None
 
 
 # -- the measured case -------------------------------------------------------------------------
@@ -486,7 +485,7 @@ def test_probe_detects_a_changed_call_shape(monkeypatch):
                 return self._gradient_checkpointing_func(lambda *a: super(Changed, self).__call__(*a, **kwargs), *args)
             return super().__call__(*args, **kwargs)
 
-    assert "functools.partial" in _checkpoint_path.probe(Changed)
+    assert "functools.partial" in probe(Changed)
 
 
 def test_no_class_level_layer_and_deactivate_restores_the_layers_class():

@@ -92,6 +92,7 @@ def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_pack
     import shim
     print(json.dumps({
         "patch_modules": sorted(m for m in sys.modules if m.startswith("shim.patches.")),
+        "shim.checkpointing": "shim.checkpointing" in sys.modules,
         "packaging.specifiers": "packaging.specifiers" in sys.modules,
         "wrapt": "wrapt" in sys.modules,
         "states": sorted({s.state for s in shim.status()}),
@@ -99,6 +100,7 @@ def test_import_shim_after_transformers_imports_no_patch_module_no_wrapt_no_pack
     """
     out = json.loads(run_python(code, torch_first=True).stdout.strip().splitlines()[-1])
     assert out["patch_modules"] == [] and out["packaging.specifiers"] is False and out["wrapt"] is False
+    assert out["shim.checkpointing"] is False, "only a patch module with a step imports the checkpointing path"
     # shim.status() then reads the modules for their summaries: it imports them, applies nothing.
     assert "applied" not in out["states"]
 
@@ -195,6 +197,8 @@ def test_the_wheel_installs_only_the_shim_package(tmp_path):
     for row in catalogue.INDEX:
         assert f"shim/patches/{row['module']}.py" in names
     assert "shim/py.typed" in names
+    for module in ("__init__", "path", "function"):  # the public checkpointing path, shim.checkpointing
+        assert f"shim/checkpointing/{module}.py" in names
     assert "shim/tools/_sitecustomize/sitecustomize.py" in names  # shim-run's start-up directory
     assert [name for name in names if name.startswith("shim/docs/")] == ["shim/docs/bugs.md"]  # explain's text
     with zipfile.ZipFile(wheel) as archive:

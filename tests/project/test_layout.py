@@ -11,8 +11,8 @@ pytestmark = pytest.mark.any_version  # the code as it is, whatever is installed
 
 ENGINE = ROOT / "shim"
 #: What a patch module may import of the engine: the package's API (Patch, Target, record_effect,
-#: switch_of, wrappers) and the shared tiny models and the steps taken on them.
-PUBLIC = {"shim", "shim.selfcheck", "shim.selfcheck.models", "shim.selfcheck.steps"}
+#: switch_of, wrappers), the checkpointing path's API, and the shared tiny models and the steps taken on them.
+PUBLIC = {"shim", "shim.checkpointing", "shim.selfcheck", "shim.selfcheck.models", "shim.selfcheck.steps"}
 
 
 def imports(path) -> set[str]:
@@ -53,10 +53,20 @@ def shim_graph() -> dict[str, set[str]]:
 
 
 def engine_graph() -> dict[str, set[str]]:
-    """The engine's modules (the top level of ``shim``) -> the engine modules each imports."""
+    """The engine's rooms (the top level of ``shim``) -> the rooms each imports. A room that is a
+    package (``shim.checkpointing``) is its modules together; a wing is its front module alone."""
     graph = shim_graph()
     engine = {name for name in graph if name.count(".") == 1}
-    return {name: graph[name] & engine for name in engine}
+
+    def room(name: str) -> str:
+        top = ".".join(name.split(".")[:2])
+        return top if top in engine and top not in WINGS else name
+
+    rooms = {name: set() for name in engine}
+    for name, imported in graph.items():
+        if room(name) in rooms:
+            rooms[room(name)] |= ({room(module) for module in imported} & engine) - {room(name)}
+    return rooms
 
 
 #: The user's tools (CLI, doctor, tables, exit report, launcher) and the self-checks' tiny models
@@ -94,6 +104,9 @@ ROOMS = {
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
     "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
+    # the checkpointing path, public: the steps' targets and what a step uses; built on the front
+    # door as a patch is, and imported only by patch modules with a step, never by the engine
+    "shim.checkpointing": {"shim.patch", "shim.runtime"},
     "shim.assigning": {"shim.parts"},  # an assign target's layer
     "shim.wrapping": {"shim.assigning", "shim.parts"},  # the layer in one target
     "shim.rebinding": set(),  # consumers' copies of a target
@@ -142,11 +155,27 @@ FRONT = {"shim", "shim.__main__"}
 
 def test_the_wings_sit_beside_the_engine():
     """The top level of ``shim`` is the engine (what ``import shim`` may load); the tools and the tiny
-    models live in their wings."""
+    models live in their wings. The one other package is a room, the public checkpointing path."""
     top = sorted(path.name for path in ENGINE.glob("*.py"))
-    wings = sorted(path.name for path in ENGINE.iterdir() if (path / "__init__.py").is_file())
-    assert wings == ["selfcheck", "tools"]
+    packages = sorted(path.name for path in ENGINE.iterdir() if (path / "__init__.py").is_file())
+    assert packages == ["checkpointing", "selfcheck", "tools"]
+    assert [package for package in packages if f"shim.{package}" not in WINGS] == ["checkpointing"]
     assert not {"cli.py", "doctor.py", "run.py", "tinymodels.py"} & set(top)
+
+
+def test_only_patch_modules_import_the_checkpointing_path():
+    """``import shim`` never loads ``shim.checkpointing``: neither the front door nor a room nor a wing
+    imports it; a patch module with a step does (a built-in's once its target module is imported)."""
+    graph = shim_graph()
+    assert {"shim.checkpointing", "shim.checkpointing.path"} <= set(graph), "where this test looks"
+
+    def on_the_path(name):
+        return name == "shim.checkpointing" or name.startswith("shim.checkpointing.")
+
+    importers = sorted(
+        name for name, imported in graph.items() if not on_the_path(name) and any(map(on_the_path, imported))
+    )
+    assert importers == []
 
 
 def test_every_room_imports_only_the_rooms_below_it():

@@ -1,10 +1,11 @@
 """What a layer calls when a step of the checkpointing path acts on its calls: :class:`LayerCheckpoint`,
-and what steps need to read and hand over a checkpointed call.
+and what steps need to read and hand over a checkpointed call (a built-in's step and a pack's alike
+import them from ``shim.checkpointing``).
 
 A ``GradientCheckpointingLayer`` calls its checkpoint function as ``function(partial(fn, **kwargs),
 *args)``: ``fn`` is the layer's bound ``super().__call__`` up to transformers 5.22, its own ``forward``
 with the layer bound first (``partial(forward, layer, **kwargs)``) from 5.23. Where a step applies to
-the function a layer is given (decided once, when it is given: ``_checkpoint_path.py``), the layer
+the function a layer is given (decided once, when it is given: ``shim.checkpointing.path``), the layer
 holds a ``LayerCheckpoint`` of it: upstream's partial (same ``func``, ``args``, ``keywords``) that,
 per checkpointed call, lets each of its steps whose patch is on change what the checkpoint is
 handed, in the catalogue's order of their patches. Any other shape of call goes to the function
@@ -21,15 +22,25 @@ import copy
 import functools
 import operator
 import sys
+from collections.abc import Callable, Iterable
+from types import CodeType, FunctionType
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, cast
 
 from shim import record_effect
 
+if TYPE_CHECKING:
+    from shim.runtime import Switch
+
+#: A step's ``act(layer, function, args)``: ``None``, or the ``(function, args)`` to hand the checkpoint instead.
+Act = Callable[[Any, Any, tuple[Any, ...]], tuple[Any, tuple[Any, ...]] | None]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 _partial = functools.partial
 _first = operator.itemgetter(0)
-_torch = None
+_torch: Any = None
 
 
-def bind_torch():
+def bind_torch() -> Any:
     """torch, imported on first use (the patch modules are imported before torch may be)."""
     global _torch
     if _torch is None:
@@ -41,20 +52,21 @@ def bind_torch():
 
 # The code objects of the shim's own per-call code (the checkpoint object's decision, the steps),
 # with the functions nested in them: dynamo runs a frame of one as it is and compiles what it calls.
-_eager_code: list = []
-_eager: list = []  # [skip_code] once dynamo is told
+_eager_code: list[CodeType] = []
+_eager: list[Callable[[CodeType], object]] = []  # [skip_code] once dynamo is told
 
 
-def eager(function):
+def eager(function: _F) -> _F:
     """Mark ``function`` (and the functions defined inside it) as the shim's per-call code: under
     ``torch.compile``, dynamo does not compile a frame of it (it is the shim's decision, as
     uncompiled as without the shim) but compiles what it calls, the layer's ``forward``, torch's
     checkpoint, a checkpoint function of the user's, as without the shim. Traced from compiled
     code, dynamo never reaches it: it calls a partial's ``func`` directly, the function the layer
     was given, where the reentrant bugs do not arise."""
-    _eager_code.append(function.__code__)
+    code = cast(FunctionType, function).__code__
+    _eager_code.append(code)
     if _eager:
-        _skip(function.__code__)
+        _skip(code)
     return function
 
 
@@ -72,14 +84,14 @@ def leave_to_eager() -> None:
         _skip(code)
 
 
-def _skip(code) -> None:
+def _skip(code: CodeType) -> None:
     _eager[0](code)
     for constant in code.co_consts:
         if isinstance(constant, type(code)):
             _skip(constant)
 
 
-class LayerCheckpoint(_partial):
+class LayerCheckpoint(functools.partial[Any]):
     """A layer's checkpoint function where a step applies to it: the function it was given, as a
     partial, with the steps that act on its calls.
 
@@ -94,8 +106,12 @@ class LayerCheckpoint(_partial):
     """
 
     __slots__ = ("given", "steps", "names", "made_from")
+    given: Any
+    steps: tuple[tuple[Switch, Act], ...]
+    names: tuple[str, ...]
+    made_from: Any
 
-    def __call__(self, function, *args, **options):
+    def __call__(self, function: Any, *args: Any, **options: Any) -> Any:
         if type(function) is _partial:  # the call shape the probe checked
             layer = None
             for switch, act in self.steps:
@@ -111,24 +127,26 @@ class LayerCheckpoint(_partial):
             return self.func(*self.args, function, *args, **{**self.keywords, **options})
         return self.func(*self.args, function, *args, **self.keywords)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         if type(other) is LayerCheckpoint:
             other = other.given
-        return self.given == other
+        equal: bool = self.given == other
+        return equal
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.given)
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         if type(self.given) is _partial:
-            return self.given.__reduce_ex__(protocol)  # upstream's partial, byte for byte
+            reduced: str | tuple[Any, ...] = self.given.__reduce_ex__(protocol)  # upstream's partial, byte for byte
+            return reduced
         # Anything else (a function, pickled by name) as itself: the first item of a 1-tuple.
         return _first, ((self.given,),)
 
-    def __copy__(self):
+    def __copy__(self) -> Any:
         return copy.copy(self.given)
 
-    def __deepcopy__(self, memo: dict):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.given, memo)
 
 
@@ -136,7 +154,9 @@ eager(LayerCheckpoint.__call__)
 eager(record_effect)  # a step that acts counts its effect on that call
 
 
-def layer_checkpoint(given, steps: tuple, names: tuple, made_from) -> LayerCheckpoint:
+def layer_checkpoint(
+    given: Any, steps: tuple[tuple[Switch, Act], ...], names: tuple[str, ...], made_from: Any
+) -> LayerCheckpoint:
     """``given`` as a :class:`LayerCheckpoint` running ``steps`` (of the patches ``names``), made from ``made_from``."""
     if type(given) is _partial:
         made = LayerCheckpoint(given.func, *given.args, **given.keywords)
@@ -150,9 +170,9 @@ def layer_checkpoint(given, steps: tuple, names: tuple, made_from) -> LayerCheck
 
 
 @eager
-def layer_of(function):
+def layer_of(function: functools.partial[Any]) -> Any:
     """The ``GradientCheckpointingLayer`` a layer's call handed over: the ``__self__`` of the
-    partial's function (``partial(super().__call__)``, :func:`bound`) or bound first in it
+    partial's function (``partial(super().__call__)``) or bound first in it
     (``partial(forward, layer, ...)``)."""
     layers = sys.modules.get("transformers.modeling_layers")
     if layers is None:
@@ -175,11 +195,14 @@ class LayerMethod:
 
     __slots__ = ("__func__", "__self__")
 
-    def __init__(self, function, layer) -> None:
+    __func__: Callable[..., Any]
+    __self__: Any
+
+    def __init__(self, function: Callable[..., Any], layer: Any) -> None:
         self.__func__ = function
         self.__self__ = layer
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.__self__
         if args and args[0] is layer:
             args = args[1:]
@@ -195,7 +218,7 @@ class LayerMethod:
 
 
 @eager
-def hand_over(function, recompute, layer):
+def hand_over(function: functools.partial[Any], recompute: Callable[..., Any], layer: Any) -> functools.partial[Any]:
     """``recompute(layer, *inputs)`` in the shape the layer handed ``function``: ``partial(recompute,
     layer)`` for ``partial(forward, layer, **kwargs)`` (transformers >= 5.23), ``partial(<recompute
     bound to the layer>)`` for ``partial(<the layer's bound __call__>, **kwargs)`` (up to 5.22). A
@@ -206,7 +229,7 @@ def hand_over(function, recompute, layer):
 
 
 @eager
-def any_grad(values) -> bool:
+def any_grad(values: Iterable[Any]) -> bool:
     """Whether any of ``values`` holds a tensor that requires grad (one frame for the usual case of
     plain tensors and flags; containers go through :func:`wants_grad`)."""
     tensor = _torch.Tensor
@@ -220,10 +243,11 @@ def any_grad(values) -> bool:
 
 
 @eager
-def wants_grad(value) -> bool:
+def wants_grad(value: Any) -> bool:
     """Whether ``value`` holds a tensor that requires grad, in tuples, lists and dicts."""
     if isinstance(value, _torch.Tensor):
-        return value.requires_grad
+        requires: bool = value.requires_grad
+        return requires
     if isinstance(value, (tuple, list)):
         return any(wants_grad(item) for item in value)
     if type(value) is dict:
@@ -231,7 +255,7 @@ def wants_grad(value) -> bool:
     return False
 
 
-def is_reentrant(function) -> bool:
+def is_reentrant(function: Any) -> bool:
     """Whether ``function`` (a layer's ``_gradient_checkpointing_func``) checkpoints reentrantly.
 
     The ``use_reentrant`` keyword bound by ``functools.partial`` decides (the outermost partial
