@@ -190,12 +190,13 @@ def test_the_pack_guide_holds_the_example_pack_to_copy_verbatim():
     real library (not on the pack itself)."""
     guide = (ROOT / "docs" / "adding-a-patch.md").read_text().split("## A patch of your own: a patch pack", 1)[1]
     pack = ROOT / "examples" / "patch-pack"
-    for path in ("pyproject.toml", "src/shim_example_pack/fixes.py", "tests/test_example_pack.py"):
+    files = ("pyproject.toml", "src/shim_example_pack/fixes.py", "src/shim_example_pack/dropout_masks.py")
+    for path in (*files, "tests/test_example_pack.py"):
         text = (pack / path).read_text().rstrip()
         assert f"```{'toml' if path.endswith('.toml') else 'python'}\n{text}\n```" in guide, path
     fixes = (pack / "src" / "shim_example_pack" / "fixes.py").read_text()
     assert 'distribution="transformers"' in fixes and "shim-example-pack" not in fixes.split("PATCH = ", 1)[1]
-    for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "self-check"):
+    for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "self-check", "new-pack"):
         assert said in guide, said
 
 

@@ -18,6 +18,7 @@ from tests.conftest import ROOT, clean_environment
 pytestmark = pytest.mark.any_version  # the pack's gate covers every release the suite runs on
 
 NAME = "example-resume-complete-checkpoint"
+STEP = "example-checkpoint-keeps-dropout-masks"  # the pack's step on the checkpointing path
 PACK = ROOT / "examples" / "patch-pack"
 
 
@@ -111,7 +112,8 @@ def test_the_table_and_json_name_the_packs_distribution(site):
     row = next(i for i, line in enumerate(lines) if line.startswith(NAME))
     assert lines[row].split()[1:4] == ["will", "apply", transformers.__version__]  # its target is not imported yet
     assert lines[row + 3].strip() == "from: shim-example-pack (a patch pack)"
-    assert not any("(a patch pack)" in line for line in lines[: row + 1]), "a built-in names no pack"
+    first = next(i for i, line in enumerate(lines) if line.startswith("example-"))  # the pack's first row
+    assert not any("(a patch pack)" in line for line in lines[: first + 1]), "a built-in names no pack"
     records = json.loads(run(site, sys.executable, "-m", "shim", "--json").stdout)
     assert {r["provider"] for r in records} == {"hf-train-shim", "shim-example-pack"}
     record = next(r for r in records if r["name"] == NAME)
@@ -136,17 +138,51 @@ print(os.path.basename(trainer_utils.get_last_checkpoint(output)), "|", status.s
     assert out == f"checkpoint-20 | disabled | False | {reason}"
 
 
-def test_doctor_runs_the_packs_self_check(site):
-    code = """
+def test_doctor_runs_the_packs_self_checks(site):
+    code = f"""
     import sys
     from shim.tools.cli import main
-    sys.exit(main(["doctor", "--json", "example-resume-complete-checkpoint"]))
+    sys.exit(main(["doctor", "--json", "{NAME}", "{STEP}"]))
     """
     import transformers
 
-    (finding,) = json.loads(run(site, code=code).stdout)
+    findings = json.loads(run(site, code=code).stdout)
     expected = {"installed": transformers.__version__, "state": "applied", "bug_upstream": "yes", "bug_with_shim": "no"}
-    assert finding | expected == finding and finding["verdict"] == "fixed"
+    assert [f["name"] for f in findings] == sorted([NAME, STEP])
+    assert all(finding | expected == finding and finding["verdict"] == "fixed" for finding in findings)
+
+
+#: A tiny Llama whose attention drops out, checkpointed with preserve_rng_state=False (for speed):
+#: are its gradients those of the loss, as without checkpointing? Plain transformers code.
+DROPOUT = """
+import json, sys
+SHIM
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, attention_dropout=0.5)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).train()
+ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+def gradients():
+    model.zero_grad()
+    torch.manual_seed(2)
+    model(ids, labels=ids).loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+reference = gradients()
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(reference, gradients()))
+print(json.dumps([same, "shim_example_pack.dropout_masks" in sys.modules]))
+"""
+
+
+def test_the_packs_checkpointing_step_replays_dropout_masks_end_to_end(site):
+    """The pack's step on the checkpointing path, with the shim on, opted out by name (its module
+    never imported), and without the shim."""
+    on = run(site, code=DROPOUT.replace("SHIM", "import shim")).stdout.splitlines()[-1]
+    off = run(site, code=DROPOUT.replace("SHIM", "import shim"), env={"SHIM_DISABLE": STEP}).stdout.splitlines()[-1]
+    without = run(site, code=DROPOUT.replace("SHIM", "")).stdout.splitlines()[-1]
+    assert (json.loads(on), json.loads(off), json.loads(without)) == ([True, True], [False, False], [False, False])
 
 
 def test_explain_prints_the_patchs_own_text(site):
@@ -163,4 +199,4 @@ def test_the_packs_own_test_passes(site):
     tests = site / "source" / "tests"  # with the pack's own pytest settings (its pyproject.toml)
     result = run(site, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
                  env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
-    assert next(line for line in result.stdout.splitlines() if " passed" in line).startswith("4 passed")
+    assert next(line for line in result.stdout.splitlines() if " passed" in line).startswith("6 passed")

@@ -56,3 +56,41 @@ def test_pyproject_lists_the_target_modules():
         [sys.executable, "-m", "shim", "pack-index", "--check", root], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+# -- example-checkpoint-keeps-dropout-masks: a step on the checkpointing path ---------------------------
+
+
+def test_dropout_masks_are_replayed_with_the_patch_on_and_not_with_it_off():
+    from shim_example_pack.dropout_masks import NAME as DROPOUT
+
+    patch = shim.registry.patch(DROPOUT)
+    with shim.disabled(DROPOUT):
+        assert patch.self_check() is True, "upstream: the gradients are not the loss's"
+    assert patch.self_check() is False
+
+
+def test_a_layer_that_does_not_drop_out_keeps_its_choice_and_the_layer_pickles_as_torchs():
+    import functools
+    import pickle
+
+    import torch
+    from shim_example_pack.dropout_masks import NAME as DROPOUT
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    options = {"use_reentrant": False, "preserve_rng_state": False}
+    for dropout, kept in ((0.0, False), (0.1, True)):
+        config = LlamaConfig(
+            vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, attention_dropout=dropout,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+        before = shim.registry.status()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        held = model.model.layers[0].__dict__["_gradient_checkpointing_func"]
+        assert type(held) is functools.partial and held.func is torch.utils.checkpoint.checkpoint
+        assert held.keywords == {"use_reentrant": False, "preserve_rng_state": kept}
+        effects = {s.name: s.effects for s in shim.registry.status()}[DROPOUT]
+        assert effects == {s.name: s.effects for s in before}[DROPOUT] + int(kept)
+        copy = pickle.loads(pickle.dumps(model.model.layers[0]))
+        assert copy.__dict__["_gradient_checkpointing_func"].keywords == held.keywords
