@@ -45,20 +45,59 @@ def marginal(runs: list) -> dict:
 
 PACK = ROOT / "examples" / "patch-pack"
 GROUP = "hf_train_shim.patches"
+TARGETS = "hf_train_shim.targets"
 
 
 def pack_site(directory: str) -> str:
     """``directory`` holding examples/patch-pack as an install lays it out (its package and a
-    dist-info folder with the entry point), without a build: what discovery reads is all there."""
+    dist-info folder with both entry-point groups), without a build: what discovery reads is all there."""
     shutil.copytree(PACK / "src" / "shim_example_pack", os.path.join(directory, "shim_example_pack"))
-    metadata = os.path.join(directory, "shim_example_pack-0.1.0.dist-info")
+    text = (PACK / "pyproject.toml").read_text()
+    groups = {
+        group: [line.replace('"', "") for line in text.split(f'[project.entry-points."{group}"]', 1)[1].split("\n[", 1)[0].splitlines() if "=" in line]
+        for group in (GROUP, TARGETS)
+    }  # fmt: skip
+    return write_distribution(directory, "shim-example-pack", groups)
+
+
+def write_distribution(directory: str, name: str, groups: dict[str, list[str]], filler: int = 0) -> str:
+    """A dist-info folder of ``name`` in ``directory`` whose entry_points.txt has ``groups`` (and
+    ``filler`` bytes of comment before them)."""
+    metadata = os.path.join(directory, f"{name.replace('-', '_')}-0.1.0.dist-info")
     os.mkdir(metadata)
     with open(os.path.join(metadata, "METADATA"), "w") as file:
-        file.write("Metadata-Version: 2.1\nName: shim-example-pack\nVersion: 0.1.0\n")
-    lines = (PACK / "pyproject.toml").read_text().split(f'[project.entry-points."{GROUP}"]', 1)[1].split("[", 1)[0]
+        file.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
     with open(os.path.join(metadata, "entry_points.txt"), "w") as file:
-        file.write(f"[{GROUP}]\n" + "\n".join(line for line in lines.splitlines() if "=" in line) + "\n")
+        file.write(("# " + "x" * 78 + "\n") * (filler // 81))
+        file.write("".join(f"[{group}]\n" + "\n".join(lines) + "\n\n" for group, lines in groups.items()))
     return directory
+
+
+def many_packs(directory: str, count: int = 50) -> str:
+    """``directory`` with ``count`` packs, each a module with one patch on a module of its own,
+    its target listed: installed, as far as ``import shim`` can tell."""
+    for index in range(count):
+        package = os.path.join(directory, f"bench_pack{index}")
+        os.mkdir(package)
+        for module in ("__init__", "target"):
+            open(os.path.join(package, f"{module}.py"), "w").close()
+        with open(os.path.join(package, "fixes.py"), "w") as file:
+            file.write(
+                "from shim import Patch, Target\n"
+                f"PATCH = Patch(name='bench-fix{index}', summary='s', distribution='bench-pack{index}', "
+                f"requires='>=0', targets=(Target('bench_pack{index}.target:f', lambda w, i, a, k: w(*a, **k)),))\n"
+            )
+        groups = {
+            GROUP: [f"bench-fix{index} = bench_pack{index}.fixes:PATCH"],
+            TARGETS: [f"bench-fix{index}.bench_pack{index}.target = bench_pack{index}.target"],
+        }
+        write_distribution(directory, f"bench-pack{index}", groups)
+    return directory
+
+
+def huge_entry_points(directory: str) -> str:
+    """``directory`` with one distribution that declares console scripts in a 50 MB entry_points.txt."""
+    return write_distribution(directory, "huge", {"console_scripts": ["huge = huge:main"]}, filler=50 << 20)
 
 
 def crowded_site(directory: str, count: int) -> str:
@@ -100,24 +139,36 @@ def distribution_count(env: dict) -> int:
     return run_child([sys.executable, "-c", code], env)
 
 
+#: The environments ``import shim`` is timed in against none of them, and how each is built.
+SITES = {
+    "examples/patch-pack installed": pack_site,
+    "50 packs installed": many_packs,
+    "a 50 MB unrelated entry_points.txt": huge_entry_points,
+}
+
+
 def measure_packs(args, log) -> dict:
-    """``import shim`` with the example pack installed against without, and the cost of discovery
-    alone, in this environment and in one of 1000 more distributions."""
-    out = {}
+    """``import shim`` with packs installed (or a huge unrelated file) against without, and the cost
+    of discovery alone, in this environment and in one of 1000 more distributions."""
+    out: dict = {"imports": {}}
     rounds = max(args.import_rounds, 6)
-    with tempfile.TemporaryDirectory() as directory:
-        site = pack_site(directory)
-        log("import shim with a patch pack installed")
-        with_pack, without = interleave(
-            lambda: time_import("import shim", env=child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{site}")),
-            lambda: time_import("import shim"),
-            rounds,
-        )
-        out["pack"] = compare([r["s"] for r in with_pack], [r["s"] for r in without])
-        out["pack_modules"] = sorted(set(with_pack[0]["new"]) - set(without[0]["new"]))
-        log("entry-point discovery")
-        out["discovery"] = discovery(None, rounds)
-        out["discovery_pack"] = discovery(site, rounds)
+    for label, build in SITES.items():
+        with tempfile.TemporaryDirectory() as directory:
+            site = build(directory)
+            log(f"import shim, {label}")
+            with_site, without = interleave(
+                lambda: time_import("import shim", env=child_env(PYTHONPATH=f"{ROOT}{os.pathsep}{site}")),
+                lambda: time_import("import shim"),
+                rounds,
+            )
+            result = compare([r["s"] for r in with_site], [r["s"] for r in without])
+            result["modules"] = sorted(set(with_site[0]["new"]) - set(without[0]["new"]))
+            result["added"] = quartiles([a["s"][0] - b["s"][0] for a, b in zip(with_site, without)])
+            out["imports"][label] = result
+            if label.startswith("examples"):
+                log("entry-point discovery")
+                out["discovery"] = discovery(None, rounds)
+                out["discovery_pack"] = discovery(site, rounds)
     with tempfile.TemporaryDirectory() as directory:
         out["discovery_crowded"] = discovery(crowded_site(directory, 1000), rounds)
     return out
@@ -213,14 +264,16 @@ def report(args, imports: dict) -> list[str]:
 
 
 def report_packs(packs: dict) -> list[str]:
-    """The patch-pack lines: import shim with one pack against none, and what discovery costs."""
-    out = [
-        table(
-            [comparison_row("import shim with examples/patch-pack installed (off: no pack)", packs["pack"], 1e3)],
-            HEADERS,
+    """The patch-pack lines: import shim with packs installed against none, and what discovery costs."""
+    rows = [comparison_row(f"import shim, {label} (off: none)", r, 1e3) for label, r in packs["imports"].items()]
+    out = [table(rows, HEADERS)]
+    for label, result in packs["imports"].items():
+        q = result["added"]
+        target = ", target within 5 ms: " + ("met" if q[1] < 0.005 else "MISSED") if label.startswith("50") else ""
+        out.append(
+            f"{label}: import shim {q[1] * 1e3:+.1f} ms CPU (IQR {q[0] * 1e3:+.1f}..{q[2] * 1e3:+.1f}){target}; "
+            f"modules it adds: {', '.join(result['modules']) or 'none'}"
         )
-    ]
-    out.append(f"with the pack, import shim also loads: {', '.join(packs['pack_modules']) or 'nothing'}")
     for key, label in (
         ("discovery", "this environment"),
         ("discovery_pack", "this environment and the pack"),
