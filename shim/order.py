@@ -22,7 +22,7 @@ Loaded by ``import shim`` (a registered patch's rank is two integers); nothing h
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 #: Where a patch's parts can sit among the others on a target, innermost (next to upstream) first.
@@ -67,22 +67,33 @@ def arrange(patches: Sequence[T]) -> list[T]:
     (an unknown name or a cycle is left for :func:`check_after` to say)."""
     if not any(after_of(patch) for patch in patches):
         return list(patches)  # the built-ins at ``import shim``: their index lists them in order
+    position = {patch.name: index for index, patch in enumerate(patches)}
+    inside = {p.name: {n for n in after_of(p) if n in position and n != p.name} for p in patches}
+    ordered = _inward_first(patches, inside, lambda patch: (position[patch.name],))
+    return ordered + [p for p in patches if p not in ordered]
+
+
+def _inward_first(
+    patches: Sequence[T], inside: Mapping[str, set[str]], priority: Callable[[T], tuple[int, ...]]
+) -> list[T]:
+    """``patches`` each after those it sits outside of (``inside``: name -> names), ties by ``priority``
+    (lowest first); a patch in a cycle is left out."""
     import heapq
 
-    position = {patch.name: index for index, patch in enumerate(patches)}
-    waiting = {p.name: {n for n in after_of(p) if n in position and n != p.name} for p in patches}
-    ready = [index for index, p in enumerate(patches) if not waiting[p.name]]
+    by_name = {patch.name: patch for patch in patches}
+    waiting = {name: set(names) for name, names in inside.items()}
+    ready = [(priority(p), p.name) for p in patches if not waiting[p.name]]
     heapq.heapify(ready)
     ordered: list[T] = []
     while ready:
-        patch = patches[heapq.heappop(ready)]
-        ordered.append(patch)
+        _key, name = heapq.heappop(ready)
+        ordered.append(by_name[name])
         for other, names in waiting.items():
-            if patch.name in names:
-                names.discard(patch.name)
+            if name in names:
+                names.discard(name)
                 if not names:
-                    heapq.heappush(ready, position[other])
-    return ordered + [p for p in patches if p not in ordered]
+                    heapq.heappush(ready, (priority(by_name[other]), other))
+    return ordered
 
 
 def check_after(patch: Ordered, placed: Mapping[str, str]) -> None:
@@ -105,8 +116,6 @@ def stacking_order(patches: Sequence[T]) -> list[T]:
     """The built-in ``patches`` innermost first, as their index lists them: by place, each after the
     patches its ``after`` names, ties by name. Raises :class:`OrderError` for an unknown name, a
     cycle, or an ``after`` against a ``place``."""
-    import heapq
-
     by_name = {patch.name: patch for patch in patches}
     inside: dict[str, set[str]] = {}
     for patch in patches:
@@ -118,20 +127,11 @@ def stacking_order(patches: Sequence[T]) -> list[T]:
             if PLACES.index(by_name[name].place) > PLACES.index(patch.place):
                 check_after(patch, {name: by_name[name].place})  # raises, naming both
         inside[patch.name] = named
-    waiting = {name: set(names) for name, names in inside.items()}
-    ready = [(PLACES.index(p.place), p.name) for p in patches if not waiting[p.name]]
-    heapq.heapify(ready)
-    ordered: list[T] = []
-    while ready:
-        _place, name = heapq.heappop(ready)
-        ordered.append(by_name[name])
-        for other, names in waiting.items():
-            if name in names:
-                names.discard(name)
-                if not names:
-                    heapq.heappush(ready, (PLACES.index(by_name[other].place), other))
+    ordered = _inward_first(patches, inside, lambda patch: (PLACES.index(patch.place),))
     if len(ordered) < len(patches):
-        raise OrderError(f"the after= declarations form a cycle: {' -> '.join(_cycle(waiting))}")
+        done = {patch.name for patch in ordered}
+        left = {name: names - done for name, names in inside.items() if name not in done}
+        raise OrderError(f"the after= declarations form a cycle: {' -> '.join(_cycle(left))}")
     return sorted(ordered, key=lambda patch: PLACES.index(patch.place))  # a stable sort: topology kept
 
 

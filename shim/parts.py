@@ -59,9 +59,6 @@ class Parts:
         """The patches with a part here, outermost first."""
         return tuple(part.name for part in reversed(self.parts))
 
-    def switch_of(self, name: str) -> Switch | None:
-        return next((part.switch for part in self.parts if part.name == name), None)
-
     def flipped(self, _on: bool = False) -> None:
         """A switch flipped (or a part came or went): the wrappers to run from now on."""
         self.active = tuple(part.wrapper for part in reversed(self.parts) if part.switch.on)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import textwrap
@@ -169,17 +168,7 @@ def rank_list(ranks: Iterable[int]) -> str:
 
 # -- at exit ---------------------------------------------------------------------------------------
 
-_registered: set[bool] = set()
 _said = False
-
-
-def report_at_exit(table: bool = True) -> None:
-    """Say at exit what the shim did, on stderr: the effects table (``table``, ``SHIM_REPORT=1``) or
-    one line where a fix acted (the default). Registered once per kind; only the first to run says
-    anything."""
-    if table not in _registered:  # called by ``import shim``: under the import lock
-        _registered.add(table)
-        atexit.register(at_exit, table)
 
 
 def silence_at_exit() -> None:

@@ -59,7 +59,7 @@ COMMANDS = {
     "SHIM_REPORT=1 at exit": [
         sys.executable,
         "-c",
-        "import os, shim, shim.tools.report\nos.environ['SHIM_REPORT'] = '1'\nshim.tools.report.report_at_exit()\n"
+        "import atexit, shim, shim.tools.report\natexit.register(shim.tools.report.at_exit, True)\n"
         "shim.record_effect('load-keeps-requires-grad', 'kept %d parameter(s) of %s frozen that transformers "
         "%s made trainable while loading, and a long tail to wrap: ' + 'word ' * 40, 10, 'FrozenBaseLlama', '5.24.0')",
     ],
