@@ -42,6 +42,7 @@ import os
 import pickle
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -874,15 +875,16 @@ def test_an_enable_passes_each_layer_through_the_path_once():
 
 # -- 8: a step added later still acts before finds-layer's hand-over ----------------------------------
 
-LATE_STEP = """
-import json
+#: A tiny Llama trained through a layer-finding checkpoint function with a step of ``STEP_MODULE``
+#: (``USE_STEP`` makes it known); the order on the slot, what the step saw, the wrong gradients.
+STEP_RUN = """
+import json, sys
 import torch
 import shim
 from shim.selfcheck.models import tiny_llama
 from shim.selfcheck.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
-from tests.patches import late_step
+USE_STEP
 
-shim.register(late_step.PATCH)
 torch.manual_seed(0)
 model = tiny_llama(3)
 model.train()
@@ -895,11 +897,13 @@ grads = trainable_grads(model, loss_of)
 slot = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
 print(json.dumps({
     "order": [name for name, _layer in shim.wrappers(slot)],
-    "seen": late_step.SEEN,
+    "state": {s.name: s.state for s in shim.status()}[step.NAME],
+    "seen": step.SEEN,
     "wrong": wrong_grads(reference, grads),
     "effects": {s.name: s.effects for s in shim.status() if s.name == "checkpoint-function-finds-layer"},
 }))
 """
+LATE_STEP = STEP_RUN.replace("USE_STEP", "from tests.patches import late_step as step\nshim.register(step.PATCH)")
 
 
 @pytest.mark.parametrize("name", ["checkpoint-aware-step", "late-step", "zz-step"])
@@ -951,54 +955,12 @@ def test_a_step_with_nothing_to_do_is_refused_where_its_targets_are_taken():
 
 # -- 10: a patch pack's step, through the public API ----------------------------------------------------
 
-PACK_STEP = """
-from shim import Patch
-from shim.checkpointing import Step, hand_over, probe, targets
-
-NAME = "pack-step"
-SEEN = []  # per act: whether the function already had the layer as func.func.__self__
-
-
-def _act(layer, function, args):
-    SEEN.append(hasattr(function.func, "__self__"))
-
-    def recompute(_layer, *inputs):
-        return function(*inputs)
-
-    return hand_over(function, recompute, layer), args
-
-
-STEP = Step(NAME, applies=callable, act=_act)
-PATCH = Patch(name=NAME, summary="A pack's step.", distribution="transformers", requires=">=4.57",
-              targets=targets(STEP, probe=probe))
-"""
-
-PACK_RUN = """
-import json, sys
-sys.path.insert(0, PACK_ROOT)  # where the pack is installed
-import torch
-import shim
-from shim.selfcheck.models import tiny_llama
-from shim.selfcheck.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
-import shim_step_pack.fixes as pack
-
-torch.manual_seed(0)
-model = tiny_llama(3)
-model.train()
-model.model.layers[0].requires_grad_(False)
-ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-loss_of = lambda m: m(ids, labels=ids).loss
-reference = trainable_grads(model, loss_of)
-model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=layer_finding_checkpoint())
-grads = trainable_grads(model, loss_of)
-slot = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
-print(json.dumps({
-    "order": [name for name, _layer in shim.wrappers(slot)],
-    "state": {s.name: s.state for s in shim.status()}["pack-step"],
-    "seen": pack.SEEN,
-    "wrong": wrong_grads(reference, grads),
-}))
-"""
+#: The pack's module: late_step.py's step under another name, in a distribution of its own.
+PACK_STEP = (Path(__file__).with_name("late_step.py")).read_text().replace('NAME = "late-step"', 'NAME = "pack-step"')
+#: The pack found through its entry points (its module imported with its target module).
+PACK_RUN = STEP_RUN.replace("import shim\n", "sys.path.insert(0, PACK_ROOT)\nimport shim\n", 1).replace(
+    "USE_STEP", "import shim_step_pack.fixes as step"
+)
 
 
 @from_5_23
@@ -1014,7 +976,10 @@ def test_a_patch_packs_step_is_ordered_with_the_built_ins_steps(tmp_path):
     metadata = tmp_path / "shim_step_pack-1.0.dist-info"
     metadata.mkdir()
     (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-step-pack\nVersion: 1.0\n")
-    (metadata / "entry_points.txt").write_text("[hf_train_shim.patches]\npack-step = shim_step_pack.fixes:PATCH\n")
+    (metadata / "entry_points.txt").write_text(
+        "[hf_train_shim.patches]\npack-step = shim_step_pack.fixes:PATCH\n\n[hf_train_shim.targets]\n"
+        "pack-step.transformers.modeling_layers = transformers.modeling_layers\n"
+    )
     out = json.loads(
         run_python(PACK_RUN.replace("PACK_ROOT", repr(str(tmp_path))), torch_first=True).stdout.splitlines()[-1]
     )
