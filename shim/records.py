@@ -18,7 +18,7 @@ from .ranges import version_range
 
 if TYPE_CHECKING:
     from .entry import Entry
-    from .patch import Patch
+    from .patch import Declared, Patch
 
 _PUBLIC = re.compile(r"^([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#(\d+)$")
 _OWN = "docs/bugs.md#"
@@ -69,9 +69,11 @@ def status_of(entry: Entry) -> PatchStatus:
     patch, missing = _declaration(entry)
     if missing:
         reason = f"{reason}; {missing}"
-    # Its gate: the Patch's, or the catalogue's listing of a built-in whose module failed; unknown
-    # for a pack's patch whose module is not imported.
-    gated = patch if patch is not None else None if getattr(declared, "foreign", False) else declared
+    # Its gate: the Patch's; where there is none, the catalogue's listing of a built-in (a module
+    # that failed), and nothing for a pack's patch whose module is not imported.
+    gated: Declared | None = patch
+    if gated is None and not getattr(declared, "foreign", False):
+        gated = declared
     distribution = gated.distribution if gated is not None else ""
     installed = entry.installed_version or (gating.installed_version(distribution) if distribution else None)
     found = []

@@ -49,14 +49,14 @@ class Registry:
                 if existing.declared is patch or existing.load() == patch.load():
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
-            order.check_after(patch, {e.name: e.declared.place for e in self._entries.values()})
+            self.check_order(patch)  # a pack's after is known, and checked, once its module is imported
             self._entries[patch.name] = Entry(patch, active=self._active, sequence=len(self._entries))
             active = self._active
         if active:
             self._try_apply(patch.name)
         return patch
 
-    def check_order(self, patch: Patch) -> None:
+    def check_order(self, patch: Declared) -> None:
         """Raise :class:`shim.order.OrderError` where ``patch``'s ``after`` cannot hold among the patches
         registered before it: :meth:`register` checks this, and a pack's patch, whose ``after`` is
         known once its module is imported, is checked then."""
@@ -64,8 +64,13 @@ class Registry:
             names = list(self._entries)
             before = names[: names.index(patch.name)] if patch.name in names else names
             named = [name for name in order.after_of(patch) if name in before]
-            placed = {name: self._entries[name].load().place for name in named}
+            placed = {name: self._place_of(self._entries[name]) for name in named}
         order.check_after(patch, placed)
+
+    @staticmethod
+    def _place_of(entry: Entry) -> str:
+        """A registered patch's place: a pack's is in its Patch (this imports its module)."""
+        return entry.load().place if getattr(entry.declared, "foreign", False) else entry.declared.place
 
     @property
     def names(self) -> tuple[str, ...]:
