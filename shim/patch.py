@@ -194,6 +194,12 @@ class Patch:
     def requirement(self) -> str:
         return f"{self.distribution}{self.requires}"
 
+    @property
+    def distributions(self) -> tuple[str, ...]:
+        """The distributions the patch is gated on: its gate's, then those its targets require."""
+        required = (t.requirement.name for t in self.targets if t.requirement is not None)
+        return tuple(dict.fromkeys([self.distribution, *required]))
+
     def load(self) -> Patch:
         """A patch is its own declaration (the catalogue's listings load theirs from a module)."""
         return self

@@ -133,10 +133,8 @@ RUN_DOCTOR = "run `python -m shim doctor`"
 def newer_than_measured(distribution: str, patch: Patch | None) -> list[str]:
     """For the patch's distribution and those its targets require: where the installed release is
     newer than any the matrix measured, a sentence that says so and what to run."""
-    names = [distribution]
-    if patch is not None:
-        names += [t.requirement.name for t in patch.targets if t.requirement is not None]
-    notes = (gating.newer_than_measured(name) for name in dict.fromkeys(names))
+    names = patch.distributions if patch is not None else (distribution,)
+    notes = (gating.newer_than_measured(name) for name in names)
     return [f"{note}: {RUN_DOCTOR}" for note in notes if note]
 
 

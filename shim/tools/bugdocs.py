@@ -54,7 +54,7 @@ def of_pack(registry: Registry, name: str) -> str | None:
     try:
         patch = registry.patch(name)  # its module imported, where it was not (switched off, say)
     except Exception as exc:
-        return f"## {name}\n\nFrom the patch pack {declared.provider} {declared.version}: {exc}"
+        return f"## {name}\n\n{exc}"  # which pack, and why its module cannot be imported
     module = sys.modules.get(declared.module)
     story = inspect.getdoc(module) if module is not None else None
     lines = [

@@ -31,14 +31,12 @@ ASK = (
 
 def distributions(registry: Registry) -> list[str]:
     """torch, then every distribution a patch is gated on or a target requires, by name."""
-    names = set()
+    names: set[str] = set()
     for name in registry.names:
-        names.add(registry.declared(name).distribution)
         try:
-            targets = registry.patch(name).targets
-        except Exception:  # a module that cannot be imported: its status row says so
+            names.update(registry.patch(name).distributions)
+        except Exception:  # a pack's module that cannot be imported: its status row says so
             continue
-        names.update(target.requirement.name for target in targets if target.requirement is not None)
     return ["torch", *sorted(names - {"torch"})]
 
 

@@ -79,7 +79,11 @@ def blocker() -> str | None:
 
 def examine(registry: Registry, name: str, blocked: str | None = None) -> Finding:
     """One patch's finding; ``blocked``: why no self-check can run here (:func:`blocker`)."""
-    patch = registry.patch(name)
+    try:
+        patch = registry.patch(name)
+    except Exception as exc:  # a pack's module that cannot be imported: its status says why
+        status = next(s for s in registry.status() if s.name == name)
+        return Finding(name, status.installed or "-", status.state, "-", "-", ERROR, str(exc))
     missing = import_targets(registry, [name])  # importing the targets lets the patch apply (or skip)
     status = next(s for s in registry.status() if s.name == name)
     installed = status.installed or "-"
@@ -162,17 +166,14 @@ def concerned(registry: Registry, names: Iterable[str]) -> set[str]:
     of doctor's about a distribution is printed only with the patches it concerns."""
     found = set()
     for name in names:
-        found.add(registry.declared(name).distribution)
         if _is_builtin(registry, name):
             found.add("torch")
         try:
-            targets = registry.patch(name).targets
-        except Exception:  # a module that cannot be imported: its finding says so
+            patch = registry.patch(name)
+        except Exception:  # a pack's module that cannot be imported: its finding says so
             continue
-        for target in targets:
-            found.add(target.module.partition(".")[0])
-            if target.requirement is not None:
-                found.add(target.requirement.name)
+        found.update(patch.distributions)
+        found.update(target.module.partition(".")[0] for target in patch.targets)
     return found
 
 

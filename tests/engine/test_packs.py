@@ -479,3 +479,16 @@ def test_a_pack_text_reaches_the_terminal_escaped_and_the_json_as_it_is(tmp_path
     result = subprocess.run([sys.executable, "-m", "shim", "--json"], capture_output=True, text=True, env=env, cwd=ROOT)
     (record,) = [r for r in json.loads(result.stdout) if r["name"] == "double-one"]
     assert record["summary"] == "doubles \x1b[31mone()\x07" and record["provider"] == name.replace("_", "-")
+
+
+def test_the_tools_report_a_broken_pack_and_never_crash_on_it(tmp_path):
+    entry_points, source, problem = BROKEN["exits at import"]
+    write_pack(tmp_path, entry_points, source=source)
+    env = clean_environment({"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    commands = {"status": 0, "doctor exits-at-import": 1, "explain exits-at-import": 0, "bug-report": 0}
+    for command, code in commands.items():
+        done = subprocess.run(
+            [sys.executable, "-m", "shim", *command.split()], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == code and "Traceback" not in done.stderr, (command, done.stderr)
+        assert problem in " ".join(done.stdout.split()), command
