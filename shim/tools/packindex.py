@@ -40,12 +40,11 @@ def declared_patches(text: str) -> dict[str, str]:
     ``name = "module:attribute"`` a line (read line by line, as :func:`rewritten` edits the file:
     Python 3.10 has no TOML reader)."""
     lines = [line.strip() for line in text.splitlines()]
-    if PATCHES not in lines:
+    span = table_lines(lines, PATCHES)
+    if span is None:
         raise CannotIndex(f'no {PATCHES} table: declare each patch there, one my-fix = "my_pack.fixes:PATCH" a line')
     patches = {}
-    for line in lines[lines.index(PATCHES) + 1 :]:
-        if line.startswith("["):
-            break
+    for line in lines[span[0] + 1 : span[1]]:
         if line and not line.startswith("#"):
             name, _, value = line.partition("=")
             patches[name.strip().strip("\"'")] = value.partition("#")[0].strip().strip("\"'")
@@ -87,16 +86,24 @@ def rewritten(text: str, new: str) -> str:
     ``new`` added after the patches table (or at the end)."""
     lines = text.splitlines(keepends=True)
     stripped = [line.strip() for line in lines]
-    header = next((h for h in (HEADER, PATCHES) if h in stripped), None)
-    if header is None:
-        return text.rstrip("\n") + "\n\n" + new
+    mine, after = table_lines(stripped, HEADER), table_lines(stripped, PATCHES)
+    if mine is not None:
+        return "".join([*lines[: mine[0]], new, *lines[mine[1] :]])
+    if after is not None:
+        return "".join([*lines[: after[1]], "\n", new, *lines[after[1] :]])
+    return text.rstrip("\n") + "\n\n" + new
+
+
+def table_lines(stripped: list[str], header: str) -> tuple[int, int] | None:
+    """Where the table ``header`` is among the ``stripped`` lines of a ``pyproject.toml``: its header's
+    index, and the index after its last line that is not blank (``None`` where it is not there)."""
+    if header not in stripped:
+        return None
     start = stripped.index(header)
-    end = next((i for i in range(start + 1, len(lines)) if stripped[i].startswith("[")), len(lines))
+    end = next((i for i in range(start + 1, len(stripped)) if stripped[i].startswith("[")), len(stripped))
     while end > start + 1 and not stripped[end - 1]:  # the blank lines before the next table stay
         end -= 1
-    if header == HEADER:
-        return "".join([*lines[:start], new, *lines[end:]])
-    return "".join([*lines[:end], "\n", new, *lines[end:]])
+    return start, end
 
 
 def index(folder: str, check: bool = False) -> int:
