@@ -98,6 +98,11 @@ class Found:
         """The module that declares the patch (its docstring is what ``explain`` prints)."""
         return self.value.partition(":")[0].strip()
 
+    @property
+    def attribute(self) -> str:
+        """The Patch's name in :attr:`module`, a dotted path."""
+        return self.value.partition(":")[2].strip()
+
     def __str__(self) -> str:
         return f"{self.name} = {self.value}"
 
@@ -108,19 +113,17 @@ class Found:
 class Pack:
     """A pack's patch as a registry knows it (``shim.patch.Declared``): its name and target modules
     from the pack's metadata, the rest from its :class:`Patch`, whose module :meth:`load` imports.
-    ``place`` and ``after`` are known once it is loaded (the registry checks the order then);
-    ``distribution`` and ``requires``, its gate, load it. ``foreign``: its module is another
+    ``place`` and ``after`` are its Patch's once loaded (the registry checks the order then), in
+    between and none before; ``distribution`` and ``requires``, its gate, load it. ``foreign``: its module is another
     distribution's, which a status imports only where the patch is not switched off."""
 
-    __slots__ = ("found", "patch", "problem", "place", "after", "_check")
+    __slots__ = ("found", "patch", "problem", "_check")
     foreign = True
 
     def __init__(self, found: Found, check: Callable[[Patch], None]) -> None:
         self.found = found
         self.patch: Patch | None = None  # loaded
         self.problem = ""  # why it cannot be loaded, once tried
-        self.place = ""  # its order (shim.order), from its Patch once loaded
-        self.after: tuple[str, ...] = ()
         self._check = check  # the registry's order check
 
     @property
@@ -159,6 +162,14 @@ class Pack:
         return self.patch.modules if self.patch is not None else ()
 
     @property
+    def place(self) -> str:  # its order (shim.order)
+        return self.patch.place if self.patch is not None else ""
+
+    @property
+    def after(self) -> tuple[str, ...]:
+        return self.patch.after if self.patch is not None else ()
+
+    @property
     def distribution(self) -> str:
         return self.load().distribution
 
@@ -176,7 +187,7 @@ class Pack:
             if patch is not None:
                 self.problem = _checked(patch, self.found, self._check)
             if patch is not None and not self.problem:
-                self.patch, self.place, self.after = patch, patch.place, patch.after
+                self.patch = patch
                 return patch
             _left_out(self.found, self.problem, strict=False)  # strict mode raises where the patch applies
         raise settings.PackError(_message(self.found, self.problem))
@@ -361,8 +372,7 @@ def _claim(entry: Found, taken: Iterable[str], claimed: dict[str, Found]) -> str
     """Why ``entry`` may not have its name, or ``None``: the name is decided before any module is imported."""
     if not settings.PATCH_NAME.match(entry.name):
         return f"{entry.name!r} is not a patch name (kebab-case, e.g. 'my-team-fix'): rename the entry point"
-    module, _, attribute = entry.value.partition(":")
-    if not module.strip() or not attribute.strip() or "[" in attribute:
+    if not entry.module or not entry.attribute or "[" in entry.attribute:
         return f"its value {entry.value!r} is not 'module:attribute': point it at the module's Patch"
     if entry.name in taken:
         return (
@@ -382,10 +392,9 @@ def _patch(entry: Found) -> tuple[Patch | None, str]:
     """The ``shim.Patch`` an entry point names, or ``None`` and why not."""
     from .patch import Patch  # only here, where a pack's patch is loaded: it imports ``packaging``
 
-    module_name, attribute = entry.module, entry.value.partition(":")[2].strip()  # their shape: _claim
-    try:
-        value: object = importlib.import_module(module_name)
-        for part in attribute.split("."):
+    try:  # the value's shape is _claim's
+        value: object = importlib.import_module(entry.module)
+        for part in entry.attribute.split("."):
             value = getattr(value, part)
     except KeyboardInterrupt:
         raise

@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 from .. import __version__
 from ..catalogue import PROVIDER as BUILTIN
 from ..packs import GROUP, TARGETS
-from ..settings import shown
+from ..settings import did_you_mean, shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .report import WIDTH, fitted  # the tables, the report and the help texts fit this many columns
 from .run import as_given, cannot_write, lenient, reader_gone, say
@@ -279,8 +279,6 @@ def _command(argv: list[str]) -> int:
         argv.insert(0, "status")  # the default command, with its options: python -m shim --json
     parser = _parser()
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        from ..settings import did_you_mean
-
         parser.error(
             f"no command {shown(argv[0])}; {did_you_mean(argv[0], COMMANDS, 'python -m shim --help lists them')}"
         )
@@ -311,7 +309,7 @@ def _command(argv: list[str]) -> int:
 
 def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
     """``given`` as the registry names it, or the command's usage error."""
-    from ..settings import canonical, did_you_mean
+    from ..settings import canonical
 
     name = canonical(given)
     if name not in shim.registry.names:
