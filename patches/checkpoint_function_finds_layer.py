@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import functools
 
-from shim import Patch, record_effect
+from shim import Evidence, Patch, record_effect
+from shim.selfcheck import bare
 from shim.checkpointing import LayerMethod, Step, bind_torch, eager, in_effect, probe, targets
 
 NAME = "checkpoint-function-finds-layer"
@@ -62,26 +63,30 @@ def _both_ways(layer, function, args):
 
 STEP = Step(NAME, applies=_is_own, act=_both_ways)
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when a checkpoint function that finds its layer through ``func.func.__self__`` fails."""
-    import torch
+def _bug_probe() -> Evidence:
+    """One layer checkpointing with a function that finds its layer as ``func.func.__self__``: the bug
+    is there when that raises ``AttributeError`` or finds something else."""
+    import functools
 
-    from shim.selfcheck.models import tiny_llama
-    from shim.selfcheck.steps import layer_finding_checkpoint
+    torch = bare.torch_module()
+    found = []
 
-    torch.manual_seed(0)
-    model = tiny_llama(2)
-    model.train()
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=layer_finding_checkpoint())
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    def finding_the_layer(func, *args, **kwargs):
+        owner = func.func if isinstance(func, functools.partial) else func
+        found.append(owner.__self__)
+        return func(*args, **kwargs)
+
+    layer = bare.checkpointing_layer(finding_the_layer)
     try:
-        model(ids, labels=ids).loss.backward()
+        layer(torch.ones(1, 2))
     except AttributeError as exc:
-        return "__self__" in str(exc)
-    return False
+        return Evidence(True, f"a checkpoint function reading func.func.__self__ fails: AttributeError: {exc}")
+    if found != [layer]:
+        return Evidence(True, f"a checkpoint function reading func.func.__self__ finds {found!r}, not the layer")
+    return Evidence(False, "a checkpoint function finds its layer as func.func.__self__")
 
 
 PATCH = Patch(
@@ -91,7 +96,7 @@ PATCH = Patch(
     requires=">=5.23",
     targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
     in_effect=in_effect(NAME, "hands your checkpoint function its layer both ways"),
     # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
     place="innermost",

@@ -24,7 +24,8 @@ import inspect
 import logging
 import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument
 
@@ -102,21 +103,20 @@ def _supported_parameters(function) -> frozenset:
         return frozenset()
 
 
-def _self_check() -> bool:
-    """True when a key that is not a checkpoint option ends up in the checkpoint partial."""
-    import transformers
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    from shim.selfcheck.models import tiny_llama_config
 
+def _bug_probe() -> Evidence:
+    """A bare model enabled with ``every_n_layers`` and ``selective`` inside the checkpointing kwargs:
+    the bug is there when either reaches the layers' checkpoint partial."""
     from ._checkpointing_calls import enable
-    from ._checkpointing_state import layer_state
 
-    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    model = bare.model()
     enable(model, {"use_reentrant": True, "every_n_layers": 1, "selective": False})
-    return any(
-        "every_n_layers" in getattr(function, "keywords", {}) or "selective" in getattr(function, "keywords", {})
-        for _flag, function in layer_state(model).values()
-    )
+    leaked = sorted({key for _, _, keywords in bare.checkpointing(model) for key in keywords or () if key in _NOT_FOR_CHECKPOINT})
+    if leaked:
+        return Evidence(True, f"{' and '.join(leaked)} in the checkpointing kwargs reach torch.utils.checkpoint")
+    return Evidence(False, "every_n_layers and selective in the checkpointing kwargs stay out of the checkpoint partial")
 
 
 PATCH = Patch(
@@ -137,6 +137,6 @@ PATCH = Patch(
         ),
     ),
     references=("docs/bugs.md#checkpoint-kwargs-clean", "huggingface/transformers#48200"),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
     after=("checkpointing-restore",),
 )

@@ -25,7 +25,7 @@ import logging
 import sys
 import warnings
 
-from shim import Patch, ShimWarning, Target, record_effect
+from shim import Evidence, Patch, ShimWarning, Target, record_effect
 
 log = logging.getLogger("shim")
 
@@ -136,21 +136,24 @@ def _probe(original) -> str | None:
     return f"TrainingArguments has no field(s) {', '.join(missing)}" if missing else None
 
 
-def _self_check() -> bool:
-    """True when a checkpointing setting assigned to the old name after construction is lost."""
-    import tempfile
-    import warnings
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    from transformers import TrainingArguments
 
-    if _probe(TrainingArguments) is not None:
-        return False  # one name per setting before transformers 5.23: no alias to lose
-    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = TrainingArguments(output_dir=directory, report_to=[])
-        args.gradient_checkpointing = True
-        args.gradient_checkpointing_kwargs = {"use_reentrant": False}
-        return args.activation_checkpointing is not True or args.activation_checkpointing_kwargs is None
+def _bug_probe() -> Evidence:
+    """Arguments (made without ``__init__``: no output folder, no device set up) holding both names of
+    each pair as one, then ``gradient_checkpointing = True`` assigned: the bug is there when
+    ``activation_checkpointing`` does not follow."""
+    arguments_class = sys.modules["transformers.training_args"].TrainingArguments
+    if _probe(arguments_class) is not None:
+        return Evidence(False, "TrainingArguments has one name per checkpointing setting: no alias to lose")
+    arguments = arguments_class.__new__(arguments_class)
+    for old, new in PAIRS:
+        object.__setattr__(arguments, new, None)
+        object.__setattr__(arguments, old, None)
+    arguments.gradient_checkpointing = True
+    if arguments.activation_checkpointing is not True:
+        return Evidence(True, "gradient_checkpointing = True assigned after construction leaves activation_checkpointing unset")
+    return Evidence(False, "gradient_checkpointing = True assigned after construction sets activation_checkpointing too")
 
 
 PATCH = Patch(
@@ -163,5 +166,5 @@ PATCH = Patch(
         Target("transformers.training_args:TrainingArguments.__post_init__", _post_init, probe=_probe),
     ),
     references=("docs/bugs.md#checkpointing-args-aliases",),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
 )

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument
 from ._checkpointing_calls import TRL, accepts, enable, takes_positional
@@ -163,37 +164,73 @@ def _trainer_train(wrapped, instance, args, kwargs):
             del model.gradient_checkpointing_enable
 
 
-def _self_check() -> bool:
-    """True when trl's re-enable, or transformers' enable, raises TypeError on a narrow signature."""
-    import transformers
+# -- bug probes (python -m shim doctor, and the engine where the release cannot vouch) -------------
 
-    from shim.selfcheck.models import tiny_llama_config
 
-    class KeywordOnly(transformers.LlamaForCausalLM):
+class _Reached(Exception):
+    """Raised by a probe's enable override once a call reached it: enough was seen."""
+
+
+def _trl_bug_probe() -> Evidence:
+    """trl's ``disable_gradient_checkpointing`` around a model whose enable is keyword-only: the bug is
+    there when the re-enable raises ``TypeError``."""
+
+    class KeywordOnlyEnable:
+        is_gradient_checkpointing = True
+
+        def gradient_checkpointing_disable(self):
+            pass
+
         def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
+            pass
+
+    context = getattr(sys.modules["trl.models.utils"], "disable_gradient_checkpointing", None)
+    if context is None:
+        return Evidence(False, "trl has no disable_gradient_checkpointing to re-enable through")
+    try:
+        with context(KeywordOnlyEnable(), {"use_reentrant": False}):
+            pass
+    except TypeError as exc:
+        return Evidence(True, f"disable_gradient_checkpointing re-enables a keyword-only enable with: TypeError: {exc}")
+    return Evidence(False, "disable_gradient_checkpointing re-enables a keyword-only enable as it takes its configuration")
+
+
+def _transformers_bug_probe() -> Evidence:
+    """A bare model whose ``gradient_checkpointing_enable`` override takes only the kwargs, enabled the
+    way transformers enables it (``activation_checkpointing_enable`` from 5.23; ``Trainer.train`` from
+    5.16): the bug is there when transformers' call raises ``TypeError``."""
+    import inspect
+
+    base = sys.modules[bare.MODELING_UTILS].PreTrainedModel
+    if hasattr(base, "activation_checkpointing_enable"):
+        return _narrow_override_case(lambda model: model.activation_checkpointing_enable(), "activation_checkpointing_enable")
+    if "every_n_layers" in inspect.signature(base.gradient_checkpointing_enable).parameters:
+        return _narrow_override_case(_trainer_enables, "Trainer.train")
+    return Evidence(False, "transformers passes an enable override no every_n_layers or offload: its own enable takes neither")
+
+
+def _narrow_override_case(enabling, caller: str) -> Evidence:
+    class NarrowOverride(bare.model_class()):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            if caller == "Trainer.train":
+                raise _Reached
             super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
-    model = KeywordOnly(tiny_llama_config())
     try:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        trl_context = _trl_disable_context()
-        if trl_context is not None:  # trl >= 0.26
-            with trl_context(model, {"use_reentrant": False}):
-                pass
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable()
-    except TypeError:
-        return True
-    return False
+        enabling(bare.model(cls=NarrowOverride))
+    except TypeError as exc:
+        return Evidence(True, f"{caller} calls an override that takes only the kwargs with: TypeError: {exc}")
+    except _Reached:
+        pass
+    return Evidence(False, f"{caller} calls an override that takes only the kwargs as it can")
 
 
-def _trl_disable_context():
-    import importlib
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        return None
-    return getattr(importlib.import_module("trl.models.utils"), "disable_gradient_checkpointing", None)
+def _trainer_enables(model) -> None:
+    """What ``Trainer.train`` (5.16 - 5.22) does up to enabling checkpointing, on a stand-in Trainer."""
+    arguments = bare.StandIn(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer = bare.StandIn(model=model, args=arguments, _memory_tracker=bare.StandIn(start=lambda: None))
+    sys.modules["transformers.trainer"].Trainer.train(trainer)
+    raise RuntimeError("Trainer.train returned without enabling checkpointing on the stand-in")
 
 
 PATCH = Patch(
@@ -214,6 +251,9 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#checkpointing-call-signature", "unslothai/unsloth#6826", "huggingface/trl#5245"),
     consumers=("trl.*",),
-    self_check=_self_check,
+    bug_probe=(
+        BugProbe(_trl_bug_probe, library="trl"),
+        BugProbe(_transformers_bug_probe, library="transformers", needs=(bare.MODELING_LAYERS,)),
+    ),
     after=("checkpointing-restore",),
 )

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextvars
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument
 from ._checkpointing_state import (
@@ -109,27 +110,36 @@ def _in_effect(model) -> list[str]:
     ]
 
 
-def _self_check() -> bool:
-    """True when a disable/enable cycle changes the checkpointing state of any module."""
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
+
+
+def _bug_probe() -> Evidence:
+    """A bare model of 4 layers, checkpointing configured (reentrant, no RNG state kept, every second
+    layer where the enable takes every_n_layers), disabled, then enabled with no configuration: the
+    bug is there when the layers' checkpointing comes back otherwise."""
     import inspect
-
-    import transformers
-
-    from shim.selfcheck.models import tiny_llama_config
 
     from ._checkpointing_calls import ENABLE, disable, enable, method
 
-    model = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4))
+    model = bare.model(layers=4)
     _name, configure = method(model, ENABLE)
-    config = {"use_reentrant": True, "preserve_rng_state": False}
+    configured = {"use_reentrant": True, "preserve_rng_state": False}
     if "every_n_layers" in inspect.signature(configure).parameters:
-        configure(config, every_n_layers=2)
+        configure(configured, every_n_layers=2)
     else:
-        configure(config)
-    before = layer_state(model)
+        configure(configured)
+    before = bare.checkpointing(model)
     disable(model)
     enable(model, None)
-    return layer_state(model) != before
+    after = bare.checkpointing(model)
+    if after != before:
+        flags = "".join("T" if flag else "F" for flag, _, _ in after)
+        return Evidence(
+            True,
+            f"an enable with no configuration after a disable gives the layers {after[-1][2]} and flags {flags} "
+            f"where they had {configured} and {''.join('T' if flag else 'F' for flag, _, _ in before)}",
+        )
+    return Evidence(False, "an enable with no configuration after a disable brings back the layers' configuration")
 
 
 PATCH = Patch(
@@ -156,6 +166,6 @@ PATCH = Patch(
         ),
     ),
     references=("docs/bugs.md#checkpointing-restore", "huggingface/trl#6827", "huggingface/transformers#47254"),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
     in_effect=_in_effect,
 )

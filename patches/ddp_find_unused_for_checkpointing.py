@@ -25,8 +25,9 @@ import contextlib
 import functools
 import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
 from shim.checkpointing import is_reentrant
+from shim.selfcheck import bare
 
 from ._checkpointing_state import MISSING
 from ._modules import first_trainable
@@ -265,26 +266,47 @@ def model_wrapper_class():
     return WrappedModel
 
 
-def _self_check() -> bool:
-    """True when the Trainer hands DDP ``find_unused_parameters=True`` without a static graph for a model
-    that is no ``PreTrainedModel`` and checkpoints reentrantly, every parameter trainable."""
-    import tempfile
-    import warnings
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    import transformers
 
-    from shim.selfcheck.models import tiny_llama_config
-
+def _bug_probe() -> Evidence:
+    """The Trainer's DDP decision (``_build_accelerator_args`` from 5.3, ``_wrap_model`` before) taken on
+    a stand-in Trainer of two CPU processes, for a model that is no ``PreTrainedModel`` around a bare one
+    whose layers checkpoint reentrantly: the bug is there when DDP gets ``find_unused_parameters=True``
+    without a static graph."""
     from ._checkpointing_calls import enable
 
-    model = transformers.LlamaForCausalLM(tiny_llama_config())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        enable(model, {"use_reentrant": True})
-    with tempfile.TemporaryDirectory() as directory:
-        args = transformers.TrainingArguments(output_dir=directory, use_cpu=True, report_to="none")
-        trainer = transformers.Trainer(model=model_wrapper_class()(model), args=args)
-        return fails_under_reentrant_checkpointing(ddp_decision(trainer))
+    trainer_module = sys.modules["transformers.trainer"]
+    distributed = sys.modules["accelerate.utils"].DistributedType
+    inner = bare.model()
+    enable(inner, {"use_reentrant": True})
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpointing |= {name.replace("gradient_", "activation_"): value for name, value in checkpointing.items()}
+    arguments = bare.StandIn(
+        **checkpointing,
+        distributed_state=bare.StandIn(distributed_type=distributed.MULTI_CPU, num_processes=2),
+        parallel_mode=getattr(sys.modules["transformers.training_args"], "ParallelMode").DISTRIBUTED,
+        n_gpu=0,
+        gradient_accumulation_steps=1,
+    )
+    accelerator = bare.StandIn(unwrap_model=lambda model, **kwargs: model, ddp_handler=None)
+    trainer = bare.StandIn(model=model_wrapper_class()(inner), args=arguments, accelerator=accelerator)
+    if hasattr(trainer_module.Trainer, "_build_accelerator_args") and "kwargs_handlers" in (
+        built := trainer_module.Trainer._build_accelerator_args(trainer)
+    ):
+        handler = next(h for h in built["kwargs_handlers"] if isinstance(h, _ddp_kwargs_class()))
+    else:
+        trainer_module.Trainer._wrap_model(trainer, trainer.model)
+        handler = accelerator.ddp_handler
+    decision = {"find_unused_parameters": bool(handler.find_unused_parameters)}
+    decision["static_graph"] = bool(getattr(handler, "static_graph", False))
+    if fails_under_reentrant_checkpointing(decision):
+        return Evidence(
+            True,
+            "the Trainer hands DDP find_unused_parameters=True without a static graph for a wrapped model whose "
+            "layers checkpoint reentrantly",
+        )
+    return Evidence(False, f"the Trainer hands DDP {decision} for a wrapped model whose layers checkpoint reentrantly")
 
 
 PATCH = Patch(
@@ -314,5 +336,5 @@ PATCH = Patch(
         "huggingface/transformers#13961",
         "pytorch/pytorch#143580",
     ),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=("transformers.training_args", bare.MODELING_LAYERS)),
 )

@@ -22,7 +22,8 @@ from __future__ import annotations
 import copy
 import weakref
 
-from shim import Patch, Target, record_effect, switch_of
+from shim import Evidence, Patch, Target, record_effect, switch_of
+from shim.selfcheck import bare
 
 from ._modules import first_trainable
 
@@ -158,24 +159,19 @@ def _probe(original) -> str | None:
     return None
 
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
-    import torch
-
-    from shim.selfcheck.models import tiny_qwen2_vl, vision_tower
-
-    from ._checkpointing_calls import enable
-
-    model, inputs = tiny_qwen2_vl()
-    tower = vision_tower(model)
-    tower.requires_grad_(False)
-    enable(model, {"use_reentrant": False})
-    with torch.enable_grad():  # patch_embed: 4.x has no get_input_embeddings on the tower
-        output = tower.patch_embed(inputs["pixel_values"])
-    return bool(output.requires_grad)
+def _bug_probe() -> Evidence:
+    """A bare model holding a frozen bare sub-model (a tower), input grads enabled on the model: the
+    bug is there when the tower's input embeddings' output then requires grad."""
+    torch = bare.torch_module()
+    model = bare.model(layers=0)
+    model.tower = bare.model(layers=0).requires_grad_(False)
+    model.enable_input_require_grads()
+    if model.tower.embed(torch.zeros(1, dtype=torch.long)).requires_grad:
+        return Evidence(True, "enable_input_require_grads makes a frozen sub-model's input embeddings' output require grad")
+    return Evidence(False, "enable_input_require_grads leaves a frozen sub-model's input embeddings' output as it is")
 
 
 PATCH = Patch(
@@ -195,7 +191,7 @@ PATCH = Patch(
         "huggingface/transformers#41993",
         "modelscope/ms-swift#10214",
     ),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
     in_effect=_in_effect,
     after=("input-grad-hook-dedupe",),
 )

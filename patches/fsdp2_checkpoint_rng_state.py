@@ -20,13 +20,16 @@ Full story, versions measured and references: docs/bugs.md#fsdp2-checkpoint-rng-
 from __future__ import annotations
 
 import functools
+import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
 
 NAME = "fsdp2-checkpoint-rng-state"
 WRAPPERS = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+AUTO_WRAP = "torch.distributed.fsdp.wrap"  # both imported by fsdp2_apply_ac when it is called
 
 
 def _checkpoint_wrappers(model, kind) -> list:
@@ -82,24 +85,40 @@ def _probe(original) -> str | None:
     return None
 
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when a torch-only stack of blocks with dropout, its blocks wrapped by accelerate's
-    ``fsdp2_apply_ac`` (a stand-in accelerator, one process), gets other gradients than unwrapped.
-    Releases without ``fsdp2_apply_ac`` wrap FSDP2 layers with torch's default (the RNG state kept)."""
-    from accelerate.utils import fsdp_utils
+def _bug_probe() -> Evidence:
+    """accelerate's ``fsdp2_apply_ac`` on a stack of one block, through a stand-in accelerator whose
+    FSDP2 plugin wraps that block class (one process, no process group): the bug is there when the
+    checkpoint wrapper it builds is told not to preserve the RNG state."""
+    apply = getattr(sys.modules["accelerate.utils.fsdp_utils"], "fsdp2_apply_ac", None)
+    if apply is None:
+        return Evidence(False, "accelerate has no fsdp2_apply_ac: FSDP2 layers checkpoint with torch's default")
+    torch = bare.torch_module()
 
-    from shim.selfcheck.models import dropout_blocks
-    from shim.selfcheck.steps import fsdp2_accelerator, trainable_grads, unwrapped_names, wrong_grads
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = bare.linear()
 
-    if not hasattr(fsdp_utils, "fsdp2_apply_ac"):  # before FSDP2 had its own activation checkpointing
-        return False
-    model, loss_of = dropout_blocks()
-    reference = trainable_grads(model, loss_of)
-    model = fsdp_utils.fsdp2_apply_ac(fsdp2_accelerator(model), model)
-    return bool(wrong_grads(reference, unwrapped_names(trainable_grads(model, loss_of))))
+    class Stack(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block()])
+
+    policy = sys.modules[AUTO_WRAP].transformer_auto_wrap_policy
+    plugin = bare.StandIn(auto_wrap_policy=policy, transformer_cls_names_to_wrap=["Block"])
+    model = apply(bare.StandIn(state=bare.StandIn(fsdp_plugin=plugin)), Stack())
+    wrapper_class = sys.modules[WRAPPERS].CheckpointWrapper
+    kept = [getattr(m.checkpoint_fn, "keywords", {}).get("preserve_rng_state") for m in model.modules() if isinstance(m, wrapper_class)]
+    if not kept:
+        raise RuntimeError("fsdp2_apply_ac wrapped no block of the stand-in")
+    if False in kept:
+        return Evidence(True, "fsdp2_apply_ac wraps layers to checkpoint with preserve_rng_state=False")
+    return Evidence(False, "fsdp2_apply_ac wraps layers to checkpoint with the RNG state preserved")
 
 
 PATCH = Patch(
@@ -115,5 +134,5 @@ PATCH = Patch(
         "pytorch/torchtitan#1323",
     ),
     consumers=("accelerate.*",),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(WRAPPERS, AUTO_WRAP)),
 )

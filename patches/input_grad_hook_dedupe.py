@@ -18,7 +18,8 @@ Full story, versions measured and references: docs/bugs.md#input-grad-hook-dedup
 
 from __future__ import annotations
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 NAME = "input-grad-hook-dedupe"
 
@@ -63,20 +64,19 @@ def input_hook_count(model) -> int:
     return len(model.get_input_embeddings()._forward_hooks)
 
 
-def _self_check() -> bool:
-    """True when disable/enable cycles leave more than one hook on the input embeddings."""
-    import transformers
-
-    from shim.selfcheck.models import tiny_llama_config
-
+def _bug_probe() -> Evidence:
+    """A bare model with input embeddings, checkpointing enabled, disabled and enabled again: the bug
+    is there when the embeddings then hold more than one hook."""
     from ._checkpointing_calls import disable, enable
 
-    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    model = bare.model()
     enable(model, {"use_reentrant": False})
-    for _ in range(3):
-        disable(model)
-        enable(model, {"use_reentrant": False})
-    return input_hook_count(model) > 1
+    disable(model)
+    enable(model, {"use_reentrant": False})
+    hooks = input_hook_count(model)
+    if hooks > 1:
+        return Evidence(True, f"a disable/enable cycle leaves {hooks} input-require-grads hooks on the embeddings")
+    return Evidence(False, f"a disable/enable cycle leaves {hooks} input-require-grads hook(s) on the embeddings")
 
 
 PATCH = Patch(
@@ -88,6 +88,6 @@ PATCH = Patch(
         Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),
     ),
     references=("docs/bugs.md#input-grad-hook-dedupe",),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
     in_effect=_in_effect,
 )

@@ -20,9 +20,13 @@ Full story, versions measured and references: docs/bugs.md#kbit-prepare-keeps-ch
 
 from __future__ import annotations
 
-from shim import Patch, Target, record_effect
+import sys
+
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
+from ._checkpointing_calls import enable
 from ._checkpointing_state import capture, captured_kwargs, describe, replaced_kwargs, restore
 
 NAME = "kbit-prepare-keeps-checkpointing"
@@ -56,22 +60,32 @@ def _probe(original) -> str | None:
     return leading_parameters(original, PARAMETERS)
 
 
-def _self_check() -> bool:
-    """True when peft's preparation changes the checkpoint kwargs a k-bit model was configured with."""
-    import warnings
+# -- bug probes (python -m shim doctor, and the engine where the release cannot vouch) -------------
 
-    import peft
+PEFT_COPY, TRL_COPY = "peft.utils.other", "trl.experimental.utils"
 
-    from shim.selfcheck.models import kbit_flagged_llama
-    from shim.selfcheck.steps import enable_checkpointing
 
-    model = kbit_flagged_llama()
-    configured = {"use_reentrant": False, "preserve_rng_state": False}
-    enable_checkpointing(model, configured)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # peft calls the deprecated enable (transformers 5.23+)
-        peft.prepare_model_for_kbit_training(model)
-    return captured_kwargs(capture(model)) != configured
+def _changes_checkpointing(module_name: str) -> Evidence:
+    """``prepare_model_for_kbit_training`` of ``module_name`` on a bare model flagged as loaded in 4 bits
+    whose checkpointing is configured: the bug is there when the layers' checkpointing changes."""
+    prepare = getattr(sys.modules[module_name], "prepare_model_for_kbit_training", None)
+    if prepare is None:
+        return Evidence(False, f"{module_name} has no prepare_model_for_kbit_training")
+    model = bare.model()
+    enable(model, {"use_reentrant": False, "preserve_rng_state": False})
+    model.is_loaded_in_4bit = True
+    before = bare.checkpointing(model)
+    prepare(model)
+    after = bare.checkpointing(model)
+    if after != before:
+        return Evidence(True, f"{module_name}.prepare_model_for_kbit_training re-enables checkpointing with {after[-1][2]}")
+    return Evidence(False, f"{module_name}.prepare_model_for_kbit_training keeps the checkpointing a model has")
+
+
+PROBES = (
+    BugProbe(lambda: _changes_checkpointing(PEFT_COPY), library="peft", needs=(bare.MODELING_LAYERS,)),
+    BugProbe(lambda: _changes_checkpointing(TRL_COPY), library="trl", needs=(bare.MODELING_LAYERS,)),
+)
 
 
 PATCH = Patch(
@@ -80,10 +94,10 @@ PATCH = Patch(
     distribution="peft",
     requires=">=0.6",
     targets=(
-        Target("peft.utils.other:prepare_model_for_kbit_training", _prepare_model_for_kbit_training, probe=_probe),
+        Target(f"{PEFT_COPY}:prepare_model_for_kbit_training", _prepare_model_for_kbit_training, probe=_probe),
         # trl's copy, which prepare_peft_model calls by its module-level name
         Target(
-            "trl.experimental.utils:prepare_model_for_kbit_training",
+            f"{TRL_COPY}:prepare_model_for_kbit_training",
             _prepare_model_for_kbit_training,
             requires="trl>=0.28",
             probe=_probe,
@@ -91,5 +105,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#kbit-prepare-keeps-checkpointing", "huggingface/peft#1036"),
     consumers=("peft", "peft.*", "trl.*"),
-    self_check=_self_check,
+    bug_probe=PROBES,
 )

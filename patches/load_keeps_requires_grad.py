@@ -23,7 +23,8 @@ from __future__ import annotations
 import sys
 import weakref
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
 
@@ -150,18 +151,47 @@ def requires_grad_map(model) -> dict[str, bool]:
     return {name: parameter.requires_grad for name, parameter in model.named_parameters()}
 
 
-def _self_check() -> bool:
-    """True when a save/load round trip changes a ``requires_grad`` flag."""
-    import tempfile
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    from shim.selfcheck.models import frozen_llama_class, tiny_llama_config
 
-    model_class = frozen_llama_class()
-    model = model_class(tiny_llama_config())
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        loaded = model_class.from_pretrained(directory)
-    return requires_grad_map(loaded) != requires_grad_map(model)
+def _bug_probe() -> Evidence:
+    """A module holding one frozen 1-element parameter, loaded through each of transformers' loaders
+    that exists: the bug is there when one of them leaves the parameter trainable."""
+    torch = bare.torch_module()
+    loaders = []
+    set_param = getattr(sys.modules.get("transformers.core_model_loading"), "set_param_for_module", None)
+    if set_param is not None:
+        loaders.append(("set_param_for_module", lambda module, value: _call_by_name(set_param, module, value)))
+    load_param = sys.modules[bare.MODELING_UTILS]._load_parameter_into_model
+    loaders.append(("_load_parameter_into_model", lambda module, value: load_param(module, "weight", value)))
+    made_trainable = []
+    for name, load in loaders:
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        load(module, torch.ones(1))
+        if module.weight.requires_grad:
+            made_trainable.append(name)
+    if made_trainable:
+        return Evidence(True, f"{' and '.join(made_trainable)} made a frozen 1-element parameter trainable")
+    return Evidence(False, f"{' and '.join(name for name, _ in loaders)} keep a frozen parameter frozen")
+
+
+def _call_by_name(set_param, module, value) -> None:
+    """``set_param_for_module`` called for ``module.weight`` with each argument bound by its name (the
+    signature changed within 5.x); one the probe has no value for raises ``TypeError``."""
+    import inspect
+    import types
+
+    info = types.SimpleNamespace(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set())
+    values = dict(model=module, target_name="weight", param_value=value, loading_info=info, hf_quantizer=None)
+    values |= dict(distributed_operation=None, mismatch_keys=set(), missing_keys=set(), unexpected_keys=set())
+    call = {}
+    for name, parameter in inspect.signature(set_param).parameters.items():
+        if name in values:
+            call[name] = values[name]
+        elif parameter.default is parameter.empty and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise TypeError(f"set_param_for_module takes {name}, which the probe has no value for")
+    set_param(**call)
 
 
 PATCH = Patch(
@@ -182,5 +212,5 @@ PATCH = Patch(
         ),
     ),
     references=("docs/bugs.md#load-keeps-requires-grad", "vllm-project/speculators#593"),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_UTILS,)),
 )

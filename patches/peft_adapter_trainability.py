@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
 
@@ -170,23 +171,29 @@ def expected_requires_grad(model, trainable: set[str]) -> dict[str, bool]:
     return {name: any(f".{adapter}." in name for adapter in trainable) for name in lora_requires_grad(model)}
 
 
-def _self_check() -> bool:
-    """True when loading a frozen adapter next to a trainable one changes the trainable one's flags."""
-    import tempfile
-    import warnings
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    import transformers
-    from peft import get_peft_model
 
-    from shim.selfcheck.models import lora_config, tiny_llama_config
+def _bug_probe() -> Evidence:
+    """A LoRA adapter on a one-``Linear`` module, then a second one added in inference mode: the bug is
+    there when the first adapter's parameters stop being trainable."""
+    peft = sys.modules["peft"]
+    torch = bare.torch_module()
 
-    model = get_peft_model(transformers.LlamaForCausalLM(tiny_llama_config()), lora_config())
-    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
-        # The model is built in code: peft cannot find its config to compare vocabularies, and says so.
-        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
-        model.save_pretrained(directory)
-        model.load_adapter(directory, adapter_name="other", is_trainable=False)
-    return lora_requires_grad(model) != expected_requires_grad(model, {"default"})
+    class Base(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = bare.linear()
+
+        def forward(self, hidden):
+            return self.linear(hidden)
+
+    model = peft.get_peft_model(Base(), peft.LoraConfig(target_modules=["linear"], r=1))
+    model.add_adapter("other", peft.LoraConfig(target_modules=["linear"], r=1, inference_mode=True))
+    frozen = sorted(name for name, parameter in model.named_parameters() if ".default." in name and not parameter.requires_grad)
+    if frozen:
+        return Evidence(True, f"adding a second adapter in inference mode froze the first one's {len(frozen)} trainable parameters")
+    return Evidence(False, "adding a second adapter in inference mode leaves the first one trainable")
 
 
 PATCH = Patch(
@@ -204,5 +211,5 @@ PATCH = Patch(
         "huggingface/peft#3487",
         "huggingface/peft#3580",
     ),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=("peft",)),
 )

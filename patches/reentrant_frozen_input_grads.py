@@ -21,7 +21,8 @@ Full story, versions measured and references: docs/bugs.md#reentrant-frozen-inpu
 
 from __future__ import annotations
 
-from shim import Patch, record_effect
+from shim import Evidence, Patch, record_effect
+from shim.selfcheck import bare
 from shim.checkpointing import (
     Step,
     any_grad,
@@ -87,16 +88,20 @@ def _tied(output, anchor):
 
 STEP = Step(NAME, applies=is_reentrant, act=_anchor)
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when a reentrant Llama with frozen inputs to its layers gets wrong parameter gradients."""
-    from shim.selfcheck.models import frozen_input_llama
-    from shim.selfcheck.steps import reentrant_changes_grads, trainable_grads
-
-    model, loss_of = frozen_input_llama()
-    return reentrant_changes_grads(model, lambda m: trainable_grads(m, loss_of))
+def _bug_probe() -> Evidence:
+    """One reentrantly checkpointed layer called with an input that requires no grad: the bug is there
+    when its trainable weight gets no gradient."""
+    torch = bare.torch_module()
+    layer = bare.checkpointing_layer(bare.reentrant_checkpoint())
+    output = layer(torch.ones(1, 2))
+    if output.requires_grad:
+        output.sum().backward()
+    if layer.linear.weight.grad is None:
+        return Evidence(True, "a reentrant layer whose input requires no grad leaves its trainable weight without a gradient")
+    return Evidence(False, "a reentrant layer whose input requires no grad gives its trainable weight a gradient")
 
 
 PATCH = Patch(
@@ -110,6 +115,6 @@ PATCH = Patch(
         "huggingface/transformers#21381",
         "huggingface/transformers#23170",
     ),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
     in_effect=in_effect(NAME, "anchors reentrant calls none of whose inputs requires grad"),
 )

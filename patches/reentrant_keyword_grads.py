@@ -22,7 +22,8 @@ Full story, versions measured and references: docs/bugs.md#reentrant-keyword-gra
 
 from __future__ import annotations
 
-from shim import Patch, record_effect
+from shim import Evidence, Patch, record_effect
+from shim.selfcheck import bare
 from shim.checkpointing import Step, any_grad, bind_torch, eager, hand_over, in_effect, is_reentrant, probe, targets
 
 NAME = "reentrant-keyword-grads"
@@ -103,21 +104,22 @@ def _fill(template, tensors):
 
 STEP = Step(NAME, applies=is_reentrant, act=_lift)
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when a reentrant, keyword-driven 3-layer Llama gets wrong parameter gradients."""
-    import torch
-
-    from shim.selfcheck.models import tiny_llama
-    from shim.selfcheck.steps import keyword_driven_grads, reentrant_changes_grads
-
-    torch.manual_seed(0)
-    model = tiny_llama(3)
-    model.train()
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 8))
-    return reentrant_changes_grads(model, lambda m: keyword_driven_grads(m, input_ids))
+def _bug_probe() -> Evidence:
+    """One reentrantly checkpointed layer called with its hidden states by keyword: the bug is there
+    when they or the layer's weight get no gradient."""
+    torch = bare.torch_module()
+    layer = bare.checkpointing_layer(bare.reentrant_checkpoint())
+    hidden = torch.ones(1, 2, requires_grad=True)
+    output = layer(hidden_states=hidden)
+    if output.requires_grad:
+        output.sum().backward()
+    lost = [name for name, tensor in (("the keyword input", hidden), ("the weight", layer.linear.weight)) if tensor.grad is None]
+    if lost:
+        return Evidence(True, f"a reentrant layer called with hidden_states= leaves {' and '.join(lost)} without a gradient")
+    return Evidence(False, "a reentrant layer called with hidden_states= gives it and the weight their gradients")
 
 
 PATCH = Patch(
@@ -127,6 +129,6 @@ PATCH = Patch(
     requires=">=4.57",
     targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
     in_effect=in_effect(NAME, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
 )

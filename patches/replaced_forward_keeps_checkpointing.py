@@ -28,7 +28,8 @@ import threading
 import types
 import weakref
 
-from shim import Patch, record_effect, switch_of, written_by
+from shim import Evidence, Patch, record_effect, switch_of, written_by
+from shim.selfcheck import bare
 from shim.checkpointing import ATTRIBUTE, Step, targets
 
 NAME = "replaced-forward-keeps-checkpointing"
@@ -238,19 +239,27 @@ def _probe(layer_class) -> str | None:
     return None
 
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when a 3-layer Llama whose decoder-layer class had its forward replaced checkpoints no layer."""
-    import torch
+def _bug_probe() -> Evidence:
+    """A layer class whose ``forward`` is replaced after it was made (by a function calling the one it
+    had), then a layer of it given a checkpoint function: the bug is there when a training call does
+    not checkpoint."""
+    torch = bare.torch_module()
+    cls = bare.layer_class()
+    before = cls.forward
+    cls.forward = lambda self, *args, **kwargs: before(self, *args, **kwargs)
+    calls = []
 
-    from shim.selfcheck.models import replaced_forward_llama
-    from shim.selfcheck.steps import checkpointed_layer_calls
+    def counting(function, *args, **kwargs):
+        calls.append(function)
+        return function(*args, **kwargs)
 
-    with replaced_forward_llama() as model:
-        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-        return checkpointed_layer_calls(model, lambda: model(ids, labels=ids).loss.backward()) == 0
+    bare.checkpointing_layer(counting, cls)(torch.ones(1, 2, requires_grad=True))
+    if not calls:
+        return Evidence(True, "a layer class whose forward was replaced after it was made no longer checkpoints")
+    return Evidence(False, "a layer class whose forward was replaced after it was made still checkpoints")
 
 
 PATCH = Patch(
@@ -260,6 +269,6 @@ PATCH = Patch(
     requires=">=5.23",
     targets=targets(STEP, probe=_probe),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
-    self_check=_self_check,
+    bug_probe=_bug_probe,
     in_effect=_in_effect,
 )

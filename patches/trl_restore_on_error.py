@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from shim import Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument
 from ._checkpointing_calls import enable, is_checkpointing
@@ -131,25 +132,28 @@ def _unwrap_model_for_generation(wrapped, instance, args, kwargs):
     )
 
 
-def _self_check() -> bool:
-    """True when an exception inside ``unwrap_model_for_generation`` leaves checkpointing off."""
-    import accelerate
-    import transformers
-    from trl.models.utils import unwrap_model_for_generation
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    from shim.selfcheck.models import tiny_llama_config
 
-    from ._checkpointing_calls import enable as enable_checkpointing
+class _Failed(Exception):
+    """What the probe's generation raises."""
 
-    model = transformers.LlamaForCausalLM(tiny_llama_config())
-    enable_checkpointing(model, {"use_reentrant": False})
-    accelerator = accelerate.Accelerator(cpu=True)
+
+def _bug_probe() -> Evidence:
+    """trl's ``unwrap_model_for_generation`` on a bare model that checkpoints, through a stand-in
+    accelerator (one process, no DeepSpeed), its body raising: the bug is there when checkpointing is
+    off afterwards."""
+    model = bare.model()
+    enable(model, {"use_reentrant": False})
+    accelerator = bare.StandIn(unwrap_model=lambda model, **kwargs: model, state=bare.StandIn(deepspeed_plugin=None))
     try:
-        with unwrap_model_for_generation(model, accelerator):
-            raise RuntimeError("generation failed")
-    except RuntimeError:
+        with sys.modules["trl.models.utils"].unwrap_model_for_generation(model, accelerator):
+            raise _Failed
+    except _Failed:
         pass
-    return not is_checkpointing(model)
+    if not is_checkpointing(model):
+        return Evidence(True, "an exception inside unwrap_model_for_generation leaves checkpointing off")
+    return Evidence(False, "an exception inside unwrap_model_for_generation leaves checkpointing on")
 
 
 PATCH = Patch(
@@ -163,5 +167,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#trl-restore-on-error", "huggingface/trl#6659"),
     consumers=("trl.*",),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS, "trl.distributed")),
 )

@@ -20,13 +20,17 @@ Full story, versions measured and references: docs/bugs.md#trl-selective-reaches
 from __future__ import annotations
 
 import logging
+import sys
 
-from shim import Patch, Target, record_effect, switch_of
+from shim import BugProbe, Evidence, Patch, Target, record_effect, switch_of
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
+from ._checkpointing_calls import enable
 
 log = logging.getLogger("shim")
 NAME = "trl-selective-reaches-peft"
+SELECTIVE = "trl.models.selective_activation_checkpointing"
 
 
 def _inner_model(model):
@@ -83,8 +87,6 @@ def _enable_selective(wrapped, instance, args, kwargs):
 
 def _probe(original) -> str | None:
     """trl's installer takes the model first; transformers' enable runs an instance's override."""
-    import sys
-
     problem = leading_parameters(original, ("model",))
     if problem:
         return problem
@@ -95,27 +97,37 @@ def _probe(original) -> str | None:
     return None
 
 
-def _self_check() -> bool:
-    """True when, after trl's installer ran on a PEFT model, the Trainer's enable gives the layers no
-    trl context function."""
-    import importlib.util
-    import warnings
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
-    if importlib.util.find_spec("trl.models.selective_activation_checkpointing") is None:
-        return False  # a trl without selective checkpointing: nothing of it to lose
-    from peft import get_peft_model
-    from trl.models.selective_activation_checkpointing import enable_selective_activation_checkpointing
 
-    from shim.selfcheck.models import lora_config, tiny_llama
-    from shim.selfcheck.steps import enable_checkpointing
+def _bug_probe() -> Evidence:
+    """trl's selective checkpointing installed on a module that forwards unknown attributes to a bare
+    model (as a ``PeftModel`` does), then enabled as the Trainer enables it: the bug is there when the
+    model's layers get no trl ``context_fn``, or ``selective`` reaches them."""
+    module = sys.modules.get(SELECTIVE)
+    if module is None:
+        return Evidence(False, "trl has no selective activation checkpointing")
+    torch = bare.torch_module()
 
-    model = get_peft_model(tiny_llama(2), lora_config())
-    enable_selective_activation_checkpointing(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's deprecation
-        enable_checkpointing(model, {"use_reentrant": False})  # the name the installed Trainer calls
-    layers = model.get_base_model().model.layers
-    return not all("context_fn" in getattr(layer._gradient_checkpointing_func, "keywords", {}) for layer in layers)
+    class Forwarding(torch.nn.Module):
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.base = model
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["base"], name)
+
+    inner = bare.model()
+    outer = Forwarding(inner)
+    module.enable_selective_activation_checkpointing(outer)
+    enable(outer, {"use_reentrant": False, "selective": True})
+    keywords = [keywords or {} for flag, _, keywords in bare.checkpointing(inner.layers) if flag]
+    if not keywords or not all("context_fn" in found and "selective" not in found for found in keywords):
+        return Evidence(True, "trl's selective checkpointing on a model that forwards to another never reaches its layers")
+    return Evidence(False, "trl's selective checkpointing on a model that forwards to another reaches its layers")
 
 
 PATCH = Patch(
@@ -125,7 +137,7 @@ PATCH = Patch(
     requires=">=1.15",
     targets=(
         Target(
-            "trl.models.selective_activation_checkpointing:enable_selective_activation_checkpointing",
+            f"{SELECTIVE}:enable_selective_activation_checkpointing",
             _enable_selective,
             requires="transformers>=5.23",
             probe=_probe,
@@ -133,5 +145,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#trl-selective-reaches-peft", "huggingface/trl#7194"),
     consumers=("trl.*",),
-    self_check=_self_check,
+    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
 )

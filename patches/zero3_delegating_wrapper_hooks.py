@@ -20,11 +20,11 @@ Full story, versions measured and references: docs/bugs.md#zero3-delegating-wrap
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 
-from shim import Patch, SameFix, Target, record_effect
+from shim import Evidence, Patch, SameFix, Target, record_effect
+from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
 
@@ -107,24 +107,56 @@ def _settle_forwarding(forwarding: list) -> None:
             )
 
 
-def _upstream_fix() -> str | None:
-    """DeepSpeed's own fix (deepspeedai/DeepSpeed#8144, in 0.19.3): ``_register_deepspeed_module`` looks for a
-    module's hook classes in its ``__dict__`` (0.19.2: ``hasattr``, which a forwarding ``__getattr__``
-    answers). Read from the method's code, unwrapped; a git build labelled 0.19.3 from before the fix lacks it."""
-    offload = getattr(sys.modules.get(OFFLOAD), "DeepSpeedZeRoOffload", None)
-    method = getattr(offload, "__dict__", {}).get("_register_deepspeed_module")
-    code = getattr(inspect.unwrap(method), "__code__", None) if method is not None else None
-    if code is not None and "__dict__" in code.co_names and HOOK_CLASSES[0] in code.co_consts:
-        return f"{OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module reads module.__dict__ (deepspeedai/DeepSpeed#8144)"
-    return None
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-def _self_check() -> bool:
-    """True when one ZeRO-3 rank dies with ``AttributeError: ... 'ds_grads_remaining'`` on a Linear inside
-    a wrapper that forwards unknown attributes to it. Runs in a child process (see ``_deepspeed_cases``)."""
-    from ._deepspeed_cases import reproduces
+def _bug_probe() -> Evidence:
+    """Whether DeepSpeed's ``_register_deepspeed_module`` gives a module that forwards unknown attributes
+    hook classes of its own. Run where that costs nothing: its inner hooks are made with
+    ``torch.compiler.disable``, whose first call imports ``torch._dynamo`` (seconds). Before anything
+    imported it, and the patch off, the method's code is read instead for DeepSpeed's own fix
+    (deepspeedai/DeepSpeed#8144, in 0.19.3: it looks for the hook classes in the module's ``__dict__``)."""
+    import shim
 
-    return reproduces("delegating-wrapper", NAME)
+    if "torch._dynamo" not in sys.modules and not shim.registry.is_on(NAME):
+        method = vars(sys.modules[OFFLOAD].DeepSpeedZeRoOffload)["_register_deepspeed_module"]
+        code = getattr(getattr(method, "__wrapped__", method), "__code__", None)
+        if code is not None and "__dict__" in code.co_names and HOOK_CLASSES[0] in code.co_consts:
+            return Evidence(False, "_register_deepspeed_module looks for a module's hook classes in its __dict__ (#8144)")
+        return Evidence(True, "_register_deepspeed_module asks hasattr, which a forwarding __getattr__ answers (#8144)")
+    return _registered_forwarding_module()
+
+
+def _registered_forwarding_module() -> Evidence:
+    """DeepSpeed's ``_register_deepspeed_module`` run on a module that forwards unknown attributes to
+    the ``Linear`` it holds, for an offload engine made without its ``__init__`` (no process group, no
+    partitioning; the hooks it registers are removed again): the bug is there when the forwarding
+    module gets no hook classes of its own (its ``hasattr`` found its child's)."""
+    torch = bare.torch_module()
+
+    class Forwarding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = bare.linear()
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["inner"], name)
+
+    offload = sys.modules[OFFLOAD].DeepSpeedZeRoOffload
+    engine = offload.__new__(offload)  # what the method reads of it, and nothing else: no __init__
+    engine.__dict__.update(module=None, forward_hooks=[], backward_hooks=[])
+    wrapper = Forwarding()
+    try:  # count given: DeepSpeed's default list is shared by every call
+        engine._register_deepspeed_module(wrapper, count=[0])
+    finally:
+        for handle in engine.forward_hooks + engine.backward_hooks:
+            handle.remove()
+    if not all(name in wrapper.__dict__ for name in HOOK_CLASSES):
+        return Evidence(True, "_register_deepspeed_module gives a module that forwards attribute lookups no hook classes of its own")
+    return Evidence(False, "_register_deepspeed_module gives a module that forwards attribute lookups its own hook classes")
 
 
 PATCH = Patch(
@@ -153,6 +185,5 @@ PATCH = Patch(
         "deepspeedai/DeepSpeed#7615",
         "deepspeedai/DeepSpeed#7203",
     ),
-    self_check=_self_check,
-    upstream_fix=_upstream_fix,
+    bug_probe=_bug_probe,
 )

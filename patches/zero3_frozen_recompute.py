@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 
-from shim import Patch, Target, record_effect
+from shim import Evidence, Patch, Target, record_effect
 
 from ._arguments import argument
 
@@ -178,26 +178,28 @@ def _probe_fetch(original):
     return None
 
 
-def _upstream_fix() -> str | None:
-    """DeepSpeed's own fix (deepspeedai/DeepSpeed#8148, in 0.19.3): the coordinator module attributes the
-    frozen parameters a recomputation fetches to the module whose backward runs, in
-    ``update_recompute_parameters``. A git build labelled 0.19.3 from before the fix merged lacks it."""
-    namespace = sys.modules.get(COORDINATOR)
-    if namespace is not None and callable(getattr(namespace, "update_recompute_parameters", None)):
-        return f"{COORDINATOR}.update_recompute_parameters (deepspeedai/DeepSpeed#8148)"
-    return None
+# -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
 
-# -- self-check ------------------------------------------------------------------------------
+def _bug_probe() -> Evidence:
+    """Whether DeepSpeed has its own fix (deepspeedai/DeepSpeed#8148, in 0.19.3): the coordinator
+    attributes the frozen parameters a recomputation fetches to the module whose backward runs, in
+    ``update_recompute_parameters``; a git build labelled 0.19.3 from before the fix merged lacks it.
+    The bug shows only in a ZeRO-3 run, which needs ``torch.distributed``: with the patch on (doctor's
+    second question) the answer is one such run, on one rank in a child process, where the patch is
+    on too (``_deepspeed_cases``)."""
+    import shim
 
+    namespace = sys.modules[COORDINATOR]
+    if callable(getattr(namespace, "update_recompute_parameters", None)):
+        return Evidence(False, f"{COORDINATOR} has update_recompute_parameters (deepspeedai/DeepSpeed#8148)")
+    if shim.registry.is_on(NAME):
+        from ._deepspeed_cases import reproduces
 
-def _self_check() -> bool:
-    """True when one ZeRO-3 rank dies with the ``CheckpointError`` (recomputed shape ``[0]``) on a block
-    with a frozen LayerNorm under non-reentrant checkpointing. Runs in a child process: DeepSpeed needs
-    ``torch.distributed``, which the doctor's own process must not initialise."""
-    from ._deepspeed_cases import reproduces
-
-    return reproduces("frozen-recompute", NAME)
+        if reproduces("frozen-recompute", NAME):
+            return Evidence(True, "a one-rank ZeRO-3 run with a frozen parameter under non-reentrant checkpointing fails")
+        return Evidence(False, "a one-rank ZeRO-3 run with a frozen parameter under non-reentrant checkpointing trains")
+    return Evidence(True, f"{COORDINATOR} has no update_recompute_parameters (deepspeedai/DeepSpeed#8148)")
 
 
 PATCH = Patch(
@@ -219,6 +221,5 @@ PATCH = Patch(
         "deepspeedai/DeepSpeed#8130",
         "huggingface/transformers#47254",
     ),
-    self_check=_self_check,
-    upstream_fix=_upstream_fix,
+    bug_probe=_bug_probe,
 )

@@ -47,11 +47,13 @@ from .settings import PatchError, ShimWarning
 __version__ = "0.1.0"
 __all__ = [
     "APPLIED",
+    "BugProbe",
     "DISABLED",
     "FAILED",
     "PENDING",
     "SKIPPED",
     "State",
+    "Evidence",
     "Patch",
     "PatchError",
     "PatchStatus",
@@ -78,7 +80,15 @@ __all__ = [
 
 # Imported on first use: they need ``packaging`` (Patch, Target) or dataclasses (PatchStatus),
 # which only a patch that applies, or a status, has to pay for.
-_LAZY = {"Patch": "patch", "Target": "patch", "SameFix": "patch", "PatchStatus": "records", "written_by": "others"}
+_LAZY = {
+    "Patch": "patch",
+    "Target": "patch",
+    "SameFix": "patch",
+    "BugProbe": "patch",
+    "Evidence": "patch",
+    "PatchStatus": "records",
+    "written_by": "others",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -21,10 +21,11 @@ switch the patch's parts answer to follows from them and from whether a part is 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import order
@@ -33,7 +34,8 @@ from .runtime import Switch
 if TYPE_CHECKING:
     from .gating import Gate
     from .layers import Layers
-    from .patch import Declared, Patch
+    from .patch import BugProbe, Declared, Patch
+    from .probing import Answer
     from .settings import Settings
 
 
@@ -84,7 +86,8 @@ class Entry:
 
     __slots__ = (
         "declared", "patch", "sequence", "state", "why", "final", "active", "choice", "suspended", "forced",
-        "retake", "switch", "gate", "notes", "layers", "done_modules",
+        "retake", "switch", "gate", "notes", "layers", "done_modules", "answers",
+        "waiting_probes",
     )  # fmt: skip
 
     def __init__(self, declared: Declared, active: bool, sequence: int = 0) -> None:
@@ -104,6 +107,11 @@ class Entry:
         self.notes: list[str] = []  # what the reason adds to the gate: targets left alone, late, ...
         self.layers: Layers | None = None  # its parts in the targets, and what it rebound (shim.layers.Layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
+        # What its bug probes said, by library: asked once per process (shim.probing), kept across
+        # deactivate() and enable(), as the installed code does not change.
+        self.answers: dict[str, Answer] = {}
+        # Probes due whose ``needs`` are not imported yet, by library, with why each is asked.
+        self.waiting_probes: dict[str, tuple[BugProbe, str]] = {}
 
     @property
     def name(self) -> str:
@@ -193,11 +201,16 @@ class Entry:
                 return Progress(unloadable(exc))
         todo = [m for m in self.declared.modules if m not in self.done_modules]
         now = [m for m in todo if ready(m)]
-        waiting = tuple(m for m in todo if m not in now)
+        try:
+            now, needed = self._probe(now, ready, settings.probe)
+        except Exception as exc:  # a pack's module that cannot be imported
+            self._give_up(FAILED, unloadable(exc))
+            return Progress(unloadable(exc))
+        waiting = tuple(dict.fromkeys([*(m for m in todo if m not in now), *needed]))
         problem, wrapped = None, False
         if now:
             done = set(self.done_modules)
-            verdict = self._wrap(now, late)
+            verdict = self._wrap(now, late, settings.strict)
             if verdict is not None:
                 state, problem = verdict
                 self._give_up(state, problem)
@@ -207,9 +220,11 @@ class Entry:
                     self._forget_progress()  # tried again at the next chance: a retried import, activate()
             else:
                 wrapped = bool(self.layers)
-                self._settle(waiting, [m for m in now if m not in done], late)
+                self._settle([m for m in todo if m not in now], [m for m in now if m not in done], late)
         else:
-            self._settle(waiting, [], late)
+            self._settle([m for m in todo if m not in now], [], late)
+        if problem is None and settings.strict:
+            problem = self._probe_problem()
         return Progress(problem, waiting, tuple(self.done_modules), wrapped)
 
     def refresh(self, forced: bool) -> None:
@@ -250,7 +265,8 @@ class Entry:
             gate = self.gate.reason if self.gate is not None else ""
             waiting = self.waiting()
             rest = f"the rest {_applies_when(waiting)}" if waiting else ""
-            return "; ".join(filter(None, [gate, *self.notes, rest, self.why]))
+            parts = [gate, *self.notes, rest, self.why]
+            return "; ".join(filter(None, parts + [said for said in self.probes_said() if not _in(said, parts)]))
         if state is PENDING:
             why = self.why or _applies_when(self.waiting())
             return why if self.gate is not None else f"{why}; {self._gate_now()[1]}"
@@ -264,6 +280,21 @@ class Entry:
             if skip:
                 return SKIPPED, why
         return self.state, self.reason
+
+    def probes_said(self) -> list[str]:
+        """What each bug probe answered here, a sentence each (``shim.probing.Answer.said``), and where
+        one still waits for a module it needs."""
+        from .gating import installed_version
+
+        said = []
+        for answer in self.answers.values():
+            sentence = answer.said(installed_version(answer.library))
+            if answer.present is False and self.forced:
+                sentence += "; applied anyway because of SHIM_FORCE"
+            said.append(sentence)
+        for library, (probe, why) in self.waiting_probes.items():
+            said.append(f"its bug probe for {library} is asked once {and_(list(probe.needs))} finish importing ({why})")
+        return said
 
     def waiting(self) -> list[str]:
         """The target modules it applies in once they are imported."""
@@ -281,9 +312,87 @@ class Entry:
 
     # -- the steps ------------------------------------------------------------------------------
 
-    def _wrap(self, module_names: list[str], late: str | None) -> tuple[State, str] | None:
-        """Gate, resolve and wrap the targets in ``module_names``; ``None`` when they are in place,
-        else ``(state, why)``."""
+    # -- the bug probes (shim.probing) ---------------------------------------------------------
+
+    def _probe(self, now: list[str], ready: Callable[[str], bool], mode: str) -> tuple[list[str], list[str]]:
+        """Ask the bug probes due before the targets in ``now`` are wrapped, and those that waited for
+        a module they need; step aside where one that waited finds no bug. A probe whose ``needs`` are
+        not all imported waits for them: meanwhile the release decides (its targets are wrapped, and
+        taken off again if the probe then finds no bug), or, where the release leaves the patch out,
+        the targets wait with it. Returns the modules to wrap now and the modules the probes wait for."""
+        from . import gating
+
+        if not now and not self.waiting_probes:
+            return now, []
+        patch = self.load()
+        for library, due in self._due_probes(patch, now, mode).items():
+            self.waiting_probes[library] = due
+        askable = {lib: due for lib, due in self.waiting_probes.items() if all(map(_importable(ready), due[0].needs))}
+        for library in askable:
+            del self.waiting_probes[library]
+        self._ask(patch, askable)
+        if askable and self.layers:  # wrapped while they waited: the answers decide now
+            self._step_aside_where_fixed(patch)
+        needed = [m for probe, _ in self.waiting_probes.values() for m in probe.needs if not ready(m)]
+        if patch.distribution in self.waiting_probes and gating.gate(self.declared, self.forced).skip is not None:
+            return [], needed  # outside the gate: the probe may yet find the bug there, so the targets wait
+        return now, needed
+
+    def _due_probes(self, patch: Patch, module_names: list[str], mode: str) -> dict[str, tuple[BugProbe, str]]:
+        """The bug probes to ask before the targets in ``module_names`` are wrapped, by library, with
+        why each is asked (``shim.probing``): those not asked, nor waiting, yet in this process."""
+        from . import probing
+
+        libraries = {patch.library_of(t) for t in patch.targets if t.module in module_names}
+        due = {}
+        for library in sorted(libraries - set(self.answers) - set(self.waiting_probes)):
+            probe = patch.probe_for(library)
+            why = probing.why_asked(library, mode) if probe is not None else None
+            if probe is not None and why is not None:
+                due[library] = (probe, why)
+        return due
+
+    def _ask(self, patch: Patch, probes: dict[str, tuple[BugProbe, str]]) -> None:
+        """Ask ``probes`` with the patch's own parts off (it may have parts in another library)."""
+        from . import gating, probing
+
+        for library, (probe, why) in probes.items():
+            with self._switched_off():
+                answer = self.answers[library] = probing.ask(probe, library, why)
+            log.log(
+                logging.WARNING if answer.present is None else logging.INFO,
+                "%s: %s",
+                self.name,
+                answer.said(gating.installed_version(library)),
+            )
+
+    def _aside(self) -> dict[str, Answer]:
+        """The libraries where a probe found no bug: the patch steps aside there (not under SHIM_FORCE)."""
+        return {} if self.forced else {lib: a for lib, a in self.answers.items() if a.present is False}
+
+    def _step_aside_where_fixed(self, patch: Patch) -> None:
+        """Take the patch's parts off the targets of each library whose probe found no bug."""
+        from . import gating
+
+        assert self.layers is not None
+        for library, answer in self._aside().items():
+            modules = {t.module for t in patch.targets if patch.library_of(t) == library}
+            if self.layers.remove(modules):
+                note = f"steps aside: {answer.said(gating.installed_version(library))}"
+                if note not in self.notes:
+                    self.notes.append(note)
+        self._update_switch()
+
+    def _probe_problem(self) -> str | None:
+        """What strict mode raises for: a probe that could not run."""
+        from . import gating
+
+        failed = [a.said(gating.installed_version(a.library)) for a in self.answers.values() if a.present is None]
+        return "; ".join(failed) or None
+
+    def _wrap(self, module_names: list[str], late: str | None, strict: bool) -> tuple[State, str] | None:
+        """Gate (with what the bug probes answered), resolve and wrap the targets in ``module_names``;
+        ``None`` when they are in place, else ``(state, why)``."""
         from . import gating
         from .layers import Layers
 
@@ -291,10 +400,13 @@ class Entry:
             patch = self.load()
         except Exception as exc:
             return FAILED, unloadable(exc)
-        self.gate = gating.between_releases(gating.gate(self.declared, self.forced), patch)
+        problem = self._probe_problem() if strict else None
+        if problem is not None:
+            return FAILED, problem
+        self.gate = gating.with_answers(gating.gate(self.declared, self.forced), patch, self.answers)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip
-        resolution = gating.resolve_targets(patch, module_names, self.gate)
+        resolution = gating.resolve_targets(patch, module_names, self.gate, self._aside())
         if resolution.problem is not None:
             return (FAILED if resolution.problem.failed else SKIPPED), resolution.problem.why
         self.notes.extend(resolution.notes)
@@ -315,6 +427,15 @@ class Entry:
         self.done_modules.update(module_names)
         self._update_switch()
         return None
+
+    @contextlib.contextmanager
+    def _switched_off(self) -> Iterator[None]:
+        """The patch's own parts off inside the block (a bug probe asks upstream, not the fix)."""
+        self.suspend(+1)
+        try:
+            yield
+        finally:
+            self.suspend(-1)
 
     def _settle(self, waiting: Iterable[str], added: list[str], late: str | None) -> None:
         """The state after wrapping (``added``: the modules it wrapped now, ``late`` if past the
@@ -384,6 +505,31 @@ class Entry:
         if before is not None and (what or before != (state, self.reason)):
             shown_state, reason = self.shown()
             log.log(level, "%s: %s (%s)", self.name, what or shown_state, reason)
+
+
+def _in(sentence: str, parts: list[str]) -> bool:
+    return any(sentence in part for part in parts if part)
+
+
+def _importable(ready: Callable[[str], bool]) -> Callable[[str], bool]:
+    """Whether a module a probe needs is ready for it: finished importing, or not there at all in this
+    release (the probe then takes the release's other way, and says so)."""
+
+    def ready_or_absent(name: str) -> bool:
+        if ready(name):
+            return True
+        parent_name = name.rpartition(".")[0]
+        parent = sys.modules.get(parent_name) if parent_name else None
+        if parent_name and (parent is None or getattr(getattr(parent, "__spec__", None), "_initializing", False)):
+            return False  # looking it up would import (and lock) its package: wait for it instead
+        import importlib.util
+
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+
+    return ready_or_absent
 
 
 def unloadable(exc: Exception) -> str:

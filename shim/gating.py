@@ -1,5 +1,5 @@
-"""Deciding whether a patch applies here: its version gate, each target's own requirement, and the
-shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
+"""Deciding whether a patch applies here: its version gate, what its bug probes answered where they
+were asked (``shim.probing``), each target's own requirement, and the shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
 
 One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
 pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from packaging.specifiers import SpecifierSet
@@ -28,6 +29,7 @@ from .ranges import version_range
 if TYPE_CHECKING:
     from .layers import Resolved
     from .patch import Declared, Patch, Target
+    from .probing import Answer
 
 
 # -- installed versions and version gates ----------------------------------------------------------
@@ -149,20 +151,19 @@ def gate(declared: Declared, forced: bool) -> Gate:
     return Gate(versions, versions.reason, versions.reason)
 
 
-def between_releases(by_release: Gate, patch: Patch) -> Gate:
-    """A build between releases that the gate leaves out (a version with a local, dev or pre-release
-    part, gated as its release): where the patch looks for upstream's fix (``Patch.upstream_fix``),
-    what it finds decides, not the version alone. Called with the patch's target modules imported."""
-    versions = by_release.versions
-    if by_release.skip is None or patch.upstream_fix is None or versions.gated_as in (None, versions.installed):
+def with_answers(by_release: Gate, patch: Patch, answers: Mapping[str, Answer]) -> Gate:
+    """The gate once the bug probes asked here have answered (``shim.probing``): the probe of the
+    patch's own distribution that found the bug admits the patch where the release is outside the
+    gate (a build between releases that lacks upstream's fix). Any other answer leaves the gate as
+    it is: one that found no bug makes its library's targets step aside (:func:`resolve_targets`),
+    one that failed leaves the decision to the release."""
+    answer = answers.get(patch.distribution)
+    if answer is None or by_release.skip is None:
         return by_release
-    try:
-        fix = patch.upstream_fix()
-    except Exception as exc:  # the release decides, as without the probe
-        return Gate(versions, f"{by_release.skip}; looking for upstream's fix raised {exc!r}", by_release.reason)
-    if fix:
-        return Gate(versions, f"{by_release.skip}; this build has upstream's fix: {fix}", by_release.reason)
-    return Gate(versions, None, f"{versions.reason}, but this build between releases lacks upstream's fix")
+    said = answer.said(by_release.versions.installed)
+    if answer.present:
+        return Gate(by_release.versions, None, f"{by_release.versions.reason}, but {said}")
+    return by_release._replace(skip=f"{by_release.skip}; {said}")
 
 
 def pending(declared: Declared, reason: str, forced: bool) -> tuple[bool, str, str | None]:
@@ -188,14 +189,23 @@ class Resolution(NamedTuple):
     problem: Problem | None
 
 
-def resolve_targets(patch: Patch, module_names: list[str], found: Gate) -> Resolution:
-    """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here."""
+def resolve_targets(
+    patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, Answer]
+) -> Resolution:
+    """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here;
+    ``aside``: the libraries whose bug probe found no bug (their targets are left alone)."""
     from . import assigning, wrapping
     from .layers import Resolved
 
     resolved, notes = [], []
     for target in patch.targets:
         if target.module not in module_names:
+            continue
+        answer = aside.get(patch.library_of(target))
+        if answer is not None:
+            note = f"steps aside: {answer.said(installed_version(answer.library))}"
+            if note not in notes:
+                notes.append(note)
             continue
         requirement = target.requirement
         if requirement is not None and not check_versions(requirement.name, requirement.specifier).admitted:

@@ -103,29 +103,33 @@ class Layers:
             missed.extend(f"could not rebind {module}.{attribute}" for module, attribute in failed)
         return switch, missed
 
-    def remove(self) -> None:
-        """Take the patch's part out of every layer, and a layer left with no part off its target,
-        whatever sits above it; a layer that cannot be spliced out stays as a pass-through (a part
-        joins it again on the next activation)."""
-        for module, attribute, handle, original in self.rebound:
+    def remove(self, modules: set[str] | None = None) -> bool:
+        """Take the patch's part out of every layer (only of the targets in ``modules``, where given),
+        and a layer left with no part off its target, whatever sits above it; a layer that cannot be
+        spliced out stays as a pass-through (a part joins it again on the next activation). Returns
+        whether it took anything out."""
+        chosen = [layer for layer in self.placed if modules is None or layer.module_name in modules]
+        handles = {id(layer.handle) for layer in chosen}
+        rebound = [entry for entry in self.rebound if id(entry[2]) in handles or modules is None]
+        for module, attribute, handle, original in rebound:
             rebinding.unbind([(module, attribute)], handle, original)
-        self.rebound.clear()
-        for layer in self.placed if self.consumers else ():
+        self.rebound = [entry for entry in self.rebound if entry not in rebound]
+        for layer in chosen if self.consumers else ():
             # Consumers that imported the name after the shim applied hold the layer without a
             # rebinding to undo (peft's package re-exports its function that way): given back too.
             copies, _failed = rebinding.rebind(self.consumers, layer.handle, layer.original)
             log.debug("%s: gave %d later copies of %s back", self.name, len(copies), layer.path)
-        stuck = [
-            problem for layer in reversed(self.placed) if (problem := self._leave(layer.module, layer.path, layer))
-        ]
-        for layer in self.replaced:  # from the old object it sits in, if that still holds it
+        stuck = [problem for layer in reversed(chosen) if (problem := self._leave(layer.module, layer.path, layer))]
+        old = [layer for layer in self.replaced if modules is None or layer.module_name in modules]
+        for layer in old:  # from the old object it sits in, if that still holds it
             owner = layer.owner()
             if owner is not None and (problem := self._leave(owner, layer.attribute, layer)):
                 stuck.append(problem)
-        self.placed.clear()
-        self.replaced.clear()
+        self.placed = [layer for layer in self.placed if layer not in chosen]
+        self.replaced = [layer for layer in self.replaced if layer not in old]
         if stuck:
             log.warning("%s: left in place switched off (a layer with no part): %s", self.name, "; ".join(stuck))
+        return bool(chosen or old or rebound)
 
     def _leave(self, holder: object, path: str, layer: Layer) -> str | None:
         parts = wrapping.parts_of(layer.handle)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
@@ -21,6 +21,7 @@ Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], A
 #: An assign target's wrapper: ``wrapper(instance, value) -> the value to store``.
 Assigned = Callable[[Any, Any], Any]
 
+_MODULE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
 # A PEP 508 name and a specifier set; no extras, markers or URLs (a target gate has no use for them).
 # Parsed here rather than with packaging.requirements, whose import (markers, tags, sysconfig) would
@@ -125,14 +126,54 @@ class SameFix(_Spec):
             raise ValueError(f"same fix {self.spec!r} is not of the form 'package.module:Class.attribute'")
 
 
+class Evidence(NamedTuple):
+    """A bug probe's answer: whether the installed code has the bug (``present``), and what shows it,
+    either way, in a short sentence ("set_param_for_module made a frozen 1-element parameter
+    trainable", "enable_input_require_grads removes its old hooks")."""
+
+    present: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class BugProbe:
+    """The question "does the installed code have this bug?", asked of the code itself.
+
+    ``ask()`` builds a tiny case in code and returns :class:`Evidence`. It is the one check of a
+    patch's bug: ``python -m shim doctor`` asks it with the patch off and on, and where the release
+    cannot vouch for the code (a build between releases, one newer than the shim was measured on,
+    ``SHIM_PROBE=always``: ``shim.probing``) the engine asks it, with the patch's own parts off,
+    before the patch is applied: no bug, and the patch steps aside.
+
+    ``library``: the distribution whose targets the answer decides (a patch with targets in trl and
+    in transformers has one probe for each, so that a fix in one library does not silence the patch
+    in the other); ``""``, every target of the patch. ``needs``: modules the probe uses beside its
+    targets' own, which must have finished importing before it runs (it imports nothing itself).
+    A probe must be cheap (a millisecond or two), leave no trace (no file, no hook, no module-level
+    state, no once-only warning of upstream's used up) and import nothing: ``shim.probing`` keeps the
+    random states, the grad mode and the default device for it.
+    """
+
+    ask: Callable[[], Evidence]
+    library: str = ""
+    needs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not callable(self.ask):
+            raise TypeError("BugProbe: ask must be a callable () -> shim.Evidence")
+        if isinstance(self.needs, str) or not all(_MODULE.match(name) for name in self.needs):
+            raise ValueError(f"BugProbe: needs= must be a tuple of module names, not {self.needs!r}")
+
+
 @dataclass(frozen=True)
 class Patch:
     """A fix for one upstream bug.
 
     ``distribution`` and ``requires`` are the patch's version gate. Targets are applied module by
     module, each right after its module is imported; if one fails, those already applied are
-    removed again. ``self_check`` is used by ``python -m shim doctor``: it builds a tiny case in code and returns
-    ``True`` when the bug shows. ``consumers`` are ``fnmatch`` patterns of module names whose
+    removed again. ``bug_probe`` asks the installed code whether it has the bug (:class:`BugProbe`, or
+    its ``ask`` function alone): ``python -m shim doctor`` asks it with the patch off and on, and the
+    engine asks it where the release cannot vouch for the code (``shim.probing``). ``consumers`` are ``fnmatch`` patterns of module names whose
     module-level references to a target are rebound to the wrapper while the patch is applied
     (for modules that did ``from target import name`` before the shim could wrap it).
     ``after`` and ``place`` put the patch's parts in the one order of the catalogue (``shim.order``):
@@ -141,11 +182,7 @@ class Patch:
     of; ``place`` is ``"innermost"`` or ``"outermost"`` for a part that must sit there whoever else
     is on the target (``""``: in between), without naming them.
     ``same_fix`` lists other patchers known to fix the same bug (:class:`SameFix`): status names
-    them where they are on. ``upstream_fix()`` looks for upstream's own fix in the installed code
-    and returns what shows it is there, or ``None``; it decides for a build between releases that
-    the gate leaves out (``0.19.3+6a8f0e2`` is gated as 0.19.3, the first release with the fix, but a
-    git build from before the fix merged lacks it): without the fix found the patch applies. It runs
-    when a target module is imported and reads only what is imported.
+    them where they are on.
     ``in_effect(model)`` says what the patch does on one model now, a short sentence each, ``[]``
     where it does nothing there: ``shim.in_effect(model)`` collects them (it must not change the model).
     """
@@ -156,12 +193,11 @@ class Patch:
     requires: str
     targets: tuple[Target, ...]
     references: tuple[str, ...] = ()
-    self_check: Callable[[], bool] | None = None
+    bug_probe: BugProbe | tuple[BugProbe, ...] | Callable[[], Evidence] | None = None
     consumers: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     place: str = ""
     same_fix: tuple[SameFix, ...] = ()
-    upstream_fix: Callable[[], str | None] | None = None
     in_effect: Callable[[Any], list[str]] | None = None
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
 
@@ -178,12 +214,53 @@ class Patch:
             raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
         if self.in_effect is not None and not callable(self.in_effect):
             raise TypeError(f"patch {self.name!r}: in_effect= must be a callable (model) -> sentences")
-        if self.upstream_fix is not None and not callable(self.upstream_fix):
-            raise TypeError(f"patch {self.name!r}: upstream_fix= must be a callable () -> what shows the fix, or None")
+        self._check_probes()
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))
         except InvalidSpecifier as exc:
             raise ValueError(f"patch {self.name!r}: {self.requires!r} is not a PEP 440 specifier") from exc
+
+    def _check_probes(self) -> None:
+        libraries = [probe.library for probe in self.probes]
+        if len(set(libraries)) != len(libraries) or ("" in libraries and len(libraries) > 1):
+            raise ValueError(f"patch {self.name!r}: one bug probe per library, or one for every target")
+        unknown = [name for name in libraries if name and name not in self.libraries]
+        if unknown:
+            raise ValueError(
+                f"patch {self.name!r}: a bug probe for {unknown[0]!r}, which none of its targets lives in "
+                f"(its targets' libraries: {', '.join(self.libraries)})"
+            )
+
+    @property
+    def probes(self) -> tuple[BugProbe, ...]:
+        """The patch's bug probes: ``bug_probe`` as a tuple of :class:`BugProbe` (``()``: none)."""
+        found = self.bug_probe
+        if found is None:
+            return ()
+        if isinstance(found, BugProbe):
+            return (found,)
+        if isinstance(found, tuple):
+            if not all(isinstance(probe, BugProbe) for probe in found):
+                raise TypeError(f"patch {self.name!r}: bug_probe= as a tuple holds shim.BugProbe only")
+            return found
+        if callable(found):
+            return (BugProbe(found),)
+        raise TypeError(f"patch {self.name!r}: bug_probe= must be a shim.BugProbe or a callable () -> shim.Evidence")
+
+    def probe_for(self, library: str) -> BugProbe | None:
+        """The probe whose answer decides the targets in ``library``, if any."""
+        return next((probe for probe in self.probes if probe.library in ("", library)), None)
+
+    def library_of(self, target: Target) -> str:
+        """The distribution a target lives in: the one of the patch's distributions its module's top
+        package is named after (``trl.models.utils`` -> ``trl``), else the patch's own."""
+        top = _normalized(target.module.partition(".")[0])
+        return next((name for name in self.distributions if _normalized(name) == top), self.distribution)
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """The distributions the targets live in, in the targets' order."""
+        return tuple(dict.fromkeys(self.library_of(target) for target in self.targets))
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -205,6 +282,10 @@ class Patch:
         return self
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
 class Declared(Protocol):
     """What a registry needs of a patch before applying it: a :class:`Patch`, a catalogue listing
     (``shim.catalogue.Listing``) or a patch pack's (``shim.packs.Pack``), which import the patch's
@@ -221,6 +302,48 @@ class Declared(Protocol):
 
     @property
     def place(self) -> str: ...
+
+    def _check_probes(self) -> None:
+        libraries = [probe.library for probe in self.probes]
+        if len(set(libraries)) != len(libraries) or ("" in libraries and len(libraries) > 1):
+            raise ValueError(f"patch {self.name!r}: one bug probe per library, or one for every target")
+        unknown = [name for name in libraries if name and name not in self.libraries]
+        if unknown:
+            raise ValueError(
+                f"patch {self.name!r}: a bug probe for {unknown[0]!r}, which none of its targets lives in "
+                f"(its targets' libraries: {', '.join(self.libraries)})"
+            )
+
+    @property
+    def probes(self) -> tuple[BugProbe, ...]:
+        """The patch's bug probes: ``bug_probe`` as a tuple of :class:`BugProbe` (``()``: none)."""
+        found = self.bug_probe
+        if found is None:
+            return ()
+        if isinstance(found, BugProbe):
+            return (found,)
+        if isinstance(found, tuple):
+            if not all(isinstance(probe, BugProbe) for probe in found):
+                raise TypeError(f"patch {self.name!r}: bug_probe= as a tuple holds shim.BugProbe only")
+            return found
+        if callable(found):
+            return (BugProbe(found),)
+        raise TypeError(f"patch {self.name!r}: bug_probe= must be a shim.BugProbe or a callable () -> shim.Evidence")
+
+    def probe_for(self, library: str) -> BugProbe | None:
+        """The probe whose answer decides the targets in ``library``, if any."""
+        return next((probe for probe in self.probes if probe.library in ("", library)), None)
+
+    def library_of(self, target: Target) -> str:
+        """The distribution a target lives in: the one of the patch's distributions its module's top
+        package is named after (``trl.models.utils`` -> ``trl``), else the patch's own."""
+        top = _normalized(target.module.partition(".")[0])
+        return next((name for name in self.distributions if _normalized(name) == top), self.distribution)
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """The distributions the targets live in, in the targets' order."""
+        return tuple(dict.fromkeys(self.library_of(target) for target in self.targets))
 
     @property
     def modules(self) -> tuple[str, ...]: ...

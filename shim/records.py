@@ -39,6 +39,11 @@ class PatchStatus:
     tables show). ``suspended``: inside a ``shim.disabled()`` block, the patch's layers are off
     whatever its state. ``provider``: the distribution that provides the patch, ``hf-train-shim``
     for a built-in, a patch pack's own for a pack's (``""`` for one given to ``shim.register()``).
+    ``decided_by``: what decided whether the patch applies, ``"release"`` (its version gate) or
+    ``"probe"`` (its bug probe, asked where the release cannot vouch for the code: ``shim.probing``),
+    ``""`` while nothing is decided yet. ``probe``: what each bug probe asked in this process found,
+    by library (``library``, ``why`` it was asked, ``present``: true, false, or null where it failed,
+    ``detail``, ``error``, ``seconds``); ``None`` where none was asked.
     """
 
     name: str
@@ -54,6 +59,8 @@ class PatchStatus:
     others: tuple[dict[str, str], ...] = ()
     suspended: bool = False
     provider: str = ""
+    decided_by: str = ""
+    probe: tuple[dict[str, object], ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -103,7 +110,19 @@ def status_of(entry: Entry) -> PatchStatus:
         others=tuple(other._asdict() | {"text": other.text()} for other in found),
         suspended=entry.suspended > 0,
         provider=getattr(declared, "provider", ""),  # a catalogue listing's or a pack's; a plain Patch has none
+        decided_by=decided_by(entry),
+        probe=tuple(answer.as_dict() for answer in entry.answers.values()) or None,
     )
+
+
+def decided_by(entry: Entry) -> str:
+    """``"probe"`` where a bug probe's answer decided, ``"release"`` where the version gate did, ``""``
+    while neither has (a pending patch, a patch switched off before anything was decided)."""
+    if any(answer.present is not None for answer in entry.answers.values()):
+        return "probe"
+    if entry.gate is not None or entry.state is State.SKIPPED:
+        return "release"
+    return ""
 
 
 def _declaration(entry: Entry) -> tuple[Patch | None, str]:

@@ -13,8 +13,10 @@ The ledger is per process and keyed by patch name, so it survives a reload of ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from .forks import fork_safe_lock
 
@@ -22,6 +24,7 @@ log = logging.getLogger("shim")
 _lock = fork_safe_lock()
 _counts: dict[str, int] = {}
 _last: dict[str, tuple[str, tuple[object, ...]]] = {}
+_muted = threading.local()  # depth of muted() blocks in this thread: a bug probe running (shim.probing)
 
 
 class Switch:
@@ -68,14 +71,27 @@ def record(patch: str, message: str, *args: object) -> None:
     """Count one effect of ``patch``, described by ``message % args``.
 
     The text is formatted only when it is read; ``args`` should be strings and numbers (a class
-    name, never the model), so that the ledger keeps nothing alive.
+    name, never the model), so that the ledger keeps nothing alive. Inside :func:`muted` (a bug
+    probe's tiny case, in its thread) nothing is counted: the user's run did not change.
     """
+    if getattr(_muted, "depth", 0):
+        return
     with _lock:
         count = _counts.get(patch, 0) + 1
         _counts[patch] = count
         _last[patch] = (message, args)
     if count == 1:
         log.info("%s: %s (first effect in this process; shim.status() counts the others)", patch, message % args)
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """Effects recorded in this thread inside the block are not counted (a bug probe's own case)."""
+    _muted.depth = getattr(_muted, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _muted.depth -= 1
 
 
 def count(patch: str) -> int:

@@ -37,6 +37,8 @@ NONE = frozenset({"", "0", "false", "none"})
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: What ``SHIM_PROBE`` takes, the default first: when a patch's bug probe is asked (``shim.probing``).
+PROBE_MODES = ("auto", "always", "never")
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -84,13 +86,16 @@ def canonical(name: str) -> str:
 class Settings:
     """The switches read from the environment (a plain class: ``import shim`` builds no namedtuple)."""
 
-    __slots__ = ("disable_all", "disabled", "forced", "strict")
+    __slots__ = ("disable_all", "disabled", "forced", "strict", "probe")
 
-    def __init__(self, disable_all: bool, disabled: frozenset[str], forced: frozenset[str], strict: bool) -> None:
+    def __init__(
+        self, disable_all: bool, disabled: frozenset[str], forced: frozenset[str], strict: bool, probe: str = "auto"
+    ) -> None:
         self.disable_all = disable_all
         self.disabled = disabled
         self.forced = forced
         self.strict = strict
+        self.probe = probe
 
 
 def did_you_mean(name: str, known: Iterable[str], otherwise: str = "python -m shim lists them", width: int = 0) -> str:
@@ -203,12 +208,24 @@ def switch(variable: str, default: str = "off") -> bool | None:
     return None
 
 
+def probe_mode() -> str:
+    """``SHIM_PROBE``: one of :data:`PROBE_MODES`; unset or empty is ``auto``, another value warns once
+    (naming the valid ones) and reads as ``auto``."""
+    raw = os.environ.get("SHIM_PROBE", "").strip().lower()
+    if not raw:
+        return PROBE_MODES[0]
+    if raw in PROBE_MODES:
+        return raw
+    warn_once(f"SHIM_PROBE={shown(raw)} is not valid; use one of {', '.join(PROBE_MODES)}; using {PROBE_MODES[0]}")
+    return PROBE_MODES[0]
+
+
 def read(known: Iterable[str]) -> Settings:
-    """Read ``SHIM_DISABLE``, ``SHIM_FORCE`` and ``SHIM_STRICT`` against the known patch names."""
+    """Read ``SHIM_DISABLE``, ``SHIM_FORCE``, ``SHIM_STRICT`` and ``SHIM_PROBE`` against the known patch names."""
     known = tuple(known)
     disable_all, disabled = _names("SHIM_DISABLE", known, allow_all=True)
     _, forced = _names("SHIM_FORCE", known, allow_all=False)
-    return Settings(disable_all, disabled, forced, flag("SHIM_STRICT"))
+    return Settings(disable_all, disabled, forced, flag("SHIM_STRICT"), probe_mode())
 
 
 def configure_logging() -> None:

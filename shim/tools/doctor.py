@@ -1,31 +1,37 @@
 """``python -m shim doctor``: does each bug reproduce on the installed versions, and is it fixed?
 
-Every patch that declares a self-check runs it twice on a tiny model built in code: with the patch
-switched off (does the bug show upstream?) and on (is it gone?).
+Every patch's bug probe (``Patch.bug_probe``: a tiny case built in code, the same question the
+engine asks where the release cannot vouch for the code) is asked twice: with the patch switched
+off (does the bug show upstream?) and on (is it gone?).
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import gating
+from .. import gating, probing
 from ..catalogue import PROVIDER as BUILTIN
 from ..entry import APPLIED, DISABLED, FAILED, SKIPPED
 from ..registry import Registry
 from .targets import import_targets
+
+if TYPE_CHECKING:
+    from ..patch import Patch
+    from ..probing import Answer
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"
 NOT_AFFECTED = "not affected"
 NOT_REPRODUCED = "not reproduced"
 OPTED_OUT = "opted out"
-NO_CHECK = "no self-check"
+NO_CHECK = "no bug probe"
 NOT_INSTALLED = "not installed"
+FIXED_UPSTREAM = "fixed upstream"  # its probe found upstream's fix: the patch steps aside
 ERROR = "check error"
 CANNOT_CHECK = "cannot check here"  # for a reason outside the patch (torch cannot be imported)
 BYPASSED = "bypassed by {}"  # another patcher replaced the shim's layer: the fix cannot run
@@ -93,24 +99,21 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
         # The distribution is there but a target module is not (e.g. an older release): the
         # patch cannot apply, so the check below measures whether the bug is there without it.
         status = replace(status, reason=f"{status.reason}; {'; '.join(missing)}")
-    if patch.self_check is None:
+    if not patch.probes:
         return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
     if blocked is not None:
         return Finding(name, installed, status.state, "-", "-", CANNOT_CHECK, blocked)
-    try:
-        with warnings.catch_warnings():
-            # Upstream's own deprecation notices (e.g. trl calling gradient_checkpointing_* on
-            # transformers >= 5.23) are not findings; keep the report readable.
-            warnings.simplefilter("ignore", FutureWarning)
-            if status.state == APPLIED:
-                with registry.disabled(name):
-                    upstream = patch.self_check()
-                fixed = not patch.self_check()
-            else:
-                upstream = patch.self_check()
-                fixed = not upstream
-    except Exception as exc:  # a broken check is a finding, not a crash of the whole report
-        return Finding(name, installed, status.state, "-", "-", ERROR, repr(exc))
+    if status.state == APPLIED:
+        with registry.disabled(name):
+            answers = ask(patch)
+        with_shim = ask(patch)
+    else:
+        answers = with_shim = ask(patch)
+    failed = [answer for answer in answers + with_shim if answer.present is None]
+    if failed:  # a broken probe is a finding, not a crash of the whole report
+        return Finding(name, installed, status.state, "-", "-", ERROR, "; ".join(a.error for a in failed))
+    upstream = any(answer.present for answer in answers)
+    fixed = not any(answer.present for answer in with_shim)
     bypassed = [other for other in status.others if other["relation"] == "bypassed"]
     others = tuple(other["text"] for other in status.others if other not in bypassed)
     if bypassed:  # checked as it runs here; the other patcher's code is what ran
@@ -122,9 +125,22 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
         verdict = FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
     elif status.state == DISABLED:
         verdict = OPTED_OUT
+    elif status.state == SKIPPED and status.decided_by == "probe" and not upstream:
+        verdict = FIXED_UPSTREAM
     else:
         verdict = NOT_FIXED if upstream else NOT_AFFECTED
     return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason, others)
+
+
+def ask(patch: Patch) -> list[Answer]:
+    """Every bug probe of ``patch`` whose library's target modules are imported here, asked now."""
+    answers = []
+    for probe in patch.probes:
+        library = probe.library or patch.distribution
+        modules = {t.module for t in patch.targets if not probe.library or patch.library_of(t) == probe.library}
+        if any(module in sys.modules for module in modules):
+            answers.append(probing.ask(probe, library, "python -m shim doctor"))
+    return answers
 
 
 def each(registry: Registry, names: Sequence[str] = ()) -> Iterator[Finding]:
@@ -149,7 +165,9 @@ def _is_builtin(registry: Registry, name: str) -> bool:
 
 
 #: The order doctor's total counts the verdicts in (a "bypassed by ..." comes last).
-VERDICTS = (FIXED, NOT_FIXED, ERROR, NOT_REPRODUCED, NOT_AFFECTED, OPTED_OUT, NOT_INSTALLED, NO_CHECK, CANNOT_CHECK)
+VERDICTS = (
+    FIXED, NOT_FIXED, ERROR, NOT_REPRODUCED, FIXED_UPSTREAM, NOT_AFFECTED, OPTED_OUT, NOT_INSTALLED, NO_CHECK, CANNOT_CHECK,
+)  # fmt: skip
 
 
 def total(findings: Sequence[Finding]) -> str:

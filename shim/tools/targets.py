@@ -38,12 +38,14 @@ def import_quietly(name: str) -> ModuleType:
 
 
 def import_targets(registry: Registry, names: Iterable[str]) -> list[str]:
-    """Import the target modules of the patches ``names``, so that each applies or is skipped now;
-    returns what could not be imported (``"<module> cannot be imported (<why>)"``), which the status
-    and doctor tell."""
+    """Import the target modules of the patches ``names`` and those their bug probes need, so that
+    each applies or is skipped now; returns what could not be imported (``"<module> cannot be
+    imported (<why>)"``), which the status and doctor tell."""
     missing = []
     for name in names:
-        for module_name in registry.patch(name).modules:
+        patch = registry.patch(name)
+        needed = [module for probe in patch.probes for module in probe.needs]
+        for module_name in dict.fromkeys([*patch.modules, *needed]):
             try:
                 import_quietly(module_name)
             except Exception as exc:  # ImportError; OSError from a library that cannot load (a CUDA-only torch)

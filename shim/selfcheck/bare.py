@@ -1,0 +1,130 @@
+"""Bare models for the bug probes (``Patch.bug_probe``): transformers classes instantiated without a
+config or weights worth loading, in well under a millisecond, from modules that are already imported.
+
+A probe imports nothing (``shim.probing``): these builders take transformers' classes from
+``sys.modules`` (a ``KeyError`` there is a probe that cannot run, and the release decides) and
+make their classes anew on each call, so that nothing of a probe outlives it. Parameters are
+float32 on the CPU, seeded: ``shim.probing`` puts the random state back afterwards.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+#: Where the probes find transformers' model and layer classes.
+MODELING_UTILS = "transformers.modeling_utils"
+MODELING_LAYERS = "transformers.modeling_layers"
+
+
+def torch_module() -> Any:
+    return sys.modules["torch"]
+
+
+def linear(width: int = 2) -> Any:
+    """A seeded float32 ``Linear(width, width)`` on the CPU."""
+    torch = torch_module()
+    torch.manual_seed(0)
+    return torch.nn.Linear(width, width, dtype=torch.float32, device="cpu")
+
+
+def layer_class() -> type:
+    """A ``GradientCheckpointingLayer`` holding one ``Linear``, whose ``forward`` takes the hidden
+    states positionally or by keyword and returns the linear map of them (plus ``extra`` where given)."""
+    base = sys.modules[MODELING_LAYERS].GradientCheckpointingLayer
+
+    class ProbeLayer(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = linear()
+
+        def forward(self, hidden_states: Any = None, extra: Any = None, **kwargs: Any) -> Any:
+            out = self.linear(hidden_states)
+            return out if extra is None else out + extra
+
+    return ProbeLayer
+
+
+def layer() -> Any:
+    """One layer of :func:`layer_class`, in training mode."""
+    return layer_class()().train()
+
+
+def checkpointing_layer(function: Any, cls: type | None = None) -> Any:
+    """A layer of :func:`layer_class` (or of ``cls``) checkpointing with ``function``, assigned as a
+    user assigns it (the shim's checkpointing path sees the assignment)."""
+    built = (cls or layer_class())().train()
+    built.gradient_checkpointing = True
+    built._gradient_checkpointing_func = function
+    return built
+
+
+def reentrant_checkpoint() -> Any:
+    """``functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)``, as transformers builds it."""
+    import functools
+
+    return functools.partial(sys.modules["torch.utils.checkpoint"].checkpoint, use_reentrant=True)
+
+
+def model_class(base: type | None = None) -> type:
+    """A ``PreTrainedModel`` subclass (or one of ``base``) whose input embeddings are ``self.embed``."""
+    base = base or sys.modules[MODELING_UTILS].PreTrainedModel
+
+    class ProbeModel(base):  # type: ignore[misc, valid-type]
+        supports_gradient_checkpointing = True
+        main_input_name = "input_ids"
+
+        def get_input_embeddings(self) -> Any:
+            return self.embed
+
+        def forward(self, input_ids: Any = None, **kwargs: Any) -> Any:
+            hidden = self.embed(input_ids)
+            for block in self.layers:
+                hidden = block(hidden)
+            return hidden
+
+    return ProbeModel
+
+
+def model(layers: int = 2, cls: type | None = None) -> Any:
+    """A bare model of :func:`model_class` (or of ``cls``): ``embed`` (4 tokens of width 2) and
+    ``layers`` layers of :func:`layer_class`, in training mode, built without its ``__init__`` (no
+    config): ``nn.Module``'s alone."""
+    torch = torch_module()
+    cls = cls or model_class()
+    built = cls.__new__(cls)
+    torch.nn.Module.__init__(built)
+    torch.manual_seed(0)
+    built.embed = torch.nn.Embedding(4, 2, dtype=torch.float32, device="cpu")
+    layer_type = layer_class() if layers else None
+    built.layers = torch.nn.ModuleList(layer_type() for _ in range(layers)) if layer_type else torch.nn.ModuleList()
+    return built.train()
+
+
+class StandIn:
+    """An object with the attributes it is given; any other reads as ``None`` (a stand-in for a
+    Trainer, its arguments or an accelerator, of which a probe's call reads a few)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        self.__dict__.update(attributes)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+def checkpointing(module: Any) -> list[tuple[bool, Any, Any]]:
+    """Every checkpointing module's flag, checkpoint function and its keywords, in order, comparable
+    across enables (a new ``functools.partial`` of the same function and keywords compares equal)."""
+    found = []
+    for sub in module.modules():
+        if hasattr(sub, "gradient_checkpointing"):
+            function = getattr(sub, "_gradient_checkpointing_func", None)
+            found.append((bool(sub.gradient_checkpointing), getattr(function, "func", function), _keywords(function)))
+    return found
+
+
+def _keywords(function: Any) -> Any:
+    keywords = getattr(function, "keywords", None)
+    return dict(keywords) if isinstance(keywords, dict) else None
