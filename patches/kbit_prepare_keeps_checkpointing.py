@@ -68,9 +68,9 @@ PEFT_COPY, TRL_COPY = "peft.utils.other", "trl.experimental.utils"
 def _changes_checkpointing(module_name: str) -> Evidence:
     """``prepare_model_for_kbit_training`` of ``module_name`` on a bare model flagged as loaded in 4 bits
     whose checkpointing is configured: the bug is there when the layers' checkpointing changes."""
-    prepare = getattr(sys.modules[module_name], "prepare_model_for_kbit_training", None)
-    if prepare is None:
-        return Evidence(False, f"{module_name} has no prepare_model_for_kbit_training")
+    prepare = getattr(sys.modules.get(module_name), "prepare_model_for_kbit_training", None)
+    if prepare is None:  # trl before 0.28 has no copy of it
+        return Evidence(False, f"there is no {module_name}.prepare_model_for_kbit_training")
     model = bare.model()
     enable(model, {"use_reentrant": False, "preserve_rng_state": False})
     model.is_loaded_in_4bit = True

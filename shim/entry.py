@@ -236,7 +236,7 @@ class Entry:
         self.forced = forced
         if self.final:
             return
-        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED):
+        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED) and not self.waiting_probes:
             # Decided here rather than at activation, where it would cost every ``import shim`` a
             # metadata read (the log decides it the same way, when it shows the line).
             from .gating import gate
@@ -267,6 +267,8 @@ class Entry:
             rest = f"the rest {_applies_when(waiting)}" if waiting else ""
             parts = [gate, *self.notes, rest, self.why]
             return "; ".join(filter(None, parts + [said for said in self.probes_said() if not _in(said, parts)]))
+        if state is PENDING and self.waiting_probes:  # held outside its gate until its probe can run
+            return "; ".join([self._gate_now()[1], *self.probes_said()])
         if state is PENDING:
             why = self.why or _applies_when(self.waiting())
             return why if self.gate is not None else f"{why}; {self._gate_now()[1]}"
@@ -275,7 +277,7 @@ class Entry:
     def shown(self) -> tuple[State, str]:
         """The state and reason as a status shows them: a pending patch outside its gate, not
         decided yet, shows as skipped (``gating.pending``), as a refresh will record it."""
-        if self.state is PENDING and self.gate is None and not self.layers:
+        if self.state is PENDING and self.gate is None and not self.layers and not self.waiting_probes:
             skip, why = self._gate_now()
             if skip:
                 return SKIPPED, why
@@ -293,7 +295,8 @@ class Entry:
                 sentence += "; applied anyway because of SHIM_FORCE"
             said.append(sentence)
         for library, (probe, why) in self.waiting_probes.items():
-            said.append(f"its bug probe for {library} is asked once {and_(list(probe.needs))} finish importing ({why})")
+            verb = "finishes" if len(probe.needs) == 1 else "finish"
+            said.append(f"its bug probe for {library} is asked once {and_(list(probe.needs))} {verb} importing ({why})")
         return said
 
     def waiting(self) -> list[str]:

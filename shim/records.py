@@ -116,8 +116,11 @@ def status_of(entry: Entry) -> PatchStatus:
 
 
 def decided_by(entry: Entry) -> str:
-    """``"probe"`` where a bug probe's answer decided, ``"release"`` where the version gate did, ``""``
-    while neither has (a pending patch, a patch switched off before anything was decided)."""
+    """``"probe"`` where a bug probe's answer decided (the patch applies, or steps aside, on what it
+    found), ``"release"`` where the version gate did (outside the gate, a probe that found no bug
+    changes nothing), ``""`` while neither has (a pending patch, one switched off before)."""
+    if entry.gate is not None and entry.gate.skip is not None:
+        return "release"
     if any(answer.present is not None for answer in entry.answers.values()):
         return "probe"
     if entry.gate is not None or entry.state is State.SKIPPED:

@@ -1,5 +1,6 @@
 import importlib.machinery
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import shim  # noqa: F401  (the shim is active for every in-process test, as for a user)
+from shim import gating
 from shim.tools.report import silence_at_exit
 from tests import devices
 
@@ -110,6 +112,20 @@ def fake_modules(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(tmp_path))
     return make
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """``shim/measured.json`` replaced by one that says ``{distribution: newest}``."""
+
+    def write(newest):
+        path = tmp_path / "measured.json"
+        path.write_text(json.dumps({"about": "test", "oldest": newest, "newest": newest}))
+        monkeypatch.setattr(gating, "MEASURED", str(path))
+        gating.newest_measured.cache_clear()
+
+    yield write
+    gating.newest_measured.cache_clear()
 
 
 def python_m_shim(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

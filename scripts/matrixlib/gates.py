@@ -1,5 +1,9 @@
 """The gate check: every patch's doctor verdict in every cell against the patch's version gate.
 
+doctor runs with ``SHIM_PROBE=always``: its "bug upstream" is each patch's bug probe with the patch off,
+and the probe decided whether the patch applied, so a probe that disagrees with its gate shows here
+as a wrong verdict (``fixed upstream`` inside the gate, ``fixed`` outside it).
+
 The rules are in ``scripts/matrix.py``'s docstring and docs/testing.md ("The version matrix").
 """
 
@@ -123,9 +127,9 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
             if own:
                 spec += f" (targets: {', '.join(own)})"
             shown = f"{gate['distribution']} {gate['installed']}"
-            if not gate["has_self_check"]:
+            if not gate["has_probe"]:
                 problems.add(
-                    cell_name, f"{where}: the patch has no self_check, so the matrix cannot prove its gate {spec}"
+                    cell_name, f"{where}: the patch has no bug probe, so the matrix cannot prove its gate {spec}"
                 )
                 continue
             cells_seen.append((cell_name, gate, verdict))
@@ -146,6 +150,7 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                     "not reproduced": "the gate is too wide: the bug does not reproduce here with the patch off",
                     "not affected": "the gate is too wide or the patch cannot apply: the bug does not reproduce here",
                     "NOT FIXED": "the patch does not fix the bug here",
+                    "fixed upstream": "its bug probe (SHIM_PROBE=always) found no bug here: the probe and the gate disagree",
                 }.get(verdict, "doctor could not prove the fix")
                 problems.add(
                     cell_name,

@@ -8,7 +8,6 @@ off (does the bug show upstream?) and on (is it gone?).
 from __future__ import annotations
 
 import importlib
-import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -133,12 +132,11 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
 
 
 def ask(patch: Patch) -> list[Answer]:
-    """Every bug probe of ``patch`` whose library's target modules are imported here, asked now."""
+    """Every bug probe of ``patch`` whose library is installed, asked now."""
     answers = []
     for probe in patch.probes:
         library = probe.library or patch.distribution
-        modules = {t.module for t in patch.targets if not probe.library or patch.library_of(t) == probe.library}
-        if any(module in sys.modules for module in modules):
+        if gating.installed_version(library) is not None:
             answers.append(probing.ask(probe, library, "python -m shim doctor"))
     return answers
 

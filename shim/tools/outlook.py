@@ -30,16 +30,19 @@ OUTSIDE = "outside its versions"
 NOT_INSTALLED = "not installed"
 OPTED_OUT = "opted out"
 BROKEN = "failed"
+FIXED_UPSTREAM = "fixed upstream"
 SKIPPED = "skipped"
 
 #: The state column of a pending patch: what its import will do.
 WILL_APPLY = "will apply"
 WILL_SKIP = "will skip"
+WILL_PROBE = "will probe"  # its bug probe decides at the import (shim.probing)
 
 # How the summary line names each kind besides APPLIES, for one patch and for several.
 _SAID = {
     OUTSIDE: ("outside its versions", "outside their versions"),
     NOT_INSTALLED: ("needs a library that is not installed", "need a library that is not installed"),
+    FIXED_UPSTREAM: ("steps aside: its bug probe found upstream's fix", "step aside: their bug probes found upstream's fix"),
     OPTED_OUT: ("opted out", "opted out"),
     BROKEN: ("failed", "failed"),
     SKIPPED: ("skipped (see its reason)", "skipped (see their reasons)"),
@@ -68,9 +71,14 @@ def outlook(record: PatchStatus, registry: Registry) -> Outlook:
     missed = _targets_missed(registry, record.name)
     if record.state is PENDING:
         if missed is None:
+            asked = _probe_asked(registry, record.name)
+            if asked:
+                return Outlook(APPLIES, WILL_PROBE, f"{reason}; its bug probe decides at the import: {asked}")
             return Outlook(APPLIES, WILL_APPLY, reason)
         kind, why = missed
         return Outlook(kind, WILL_SKIP, f"no target of it is for the installed releases: {why}")
+    if record.decided_by == "probe":  # skipped where its release would apply: the probe found no bug
+        return Outlook(FIXED_UPSTREAM, state, reason)
     # Skipped: outside its gate, no target for these releases, or a reason of the import (code changed).
     if not check_versions(declared.distribution, specifier_set(declared.requires)).admitted:
         return Outlook(OUTSIDE, state, reason)
@@ -100,6 +108,20 @@ def _targets_missed(registry: Registry, name: str) -> tuple[str, str] | None:
         needs.append(f"{target.spec}: {check.reason}")
         kinds.add(NOT_INSTALLED if check.installed is None else OUTSIDE)
     return (OUTSIDE if OUTSIDE in kinds else NOT_INSTALLED), "; ".join(needs)
+
+
+def _probe_asked(registry: Registry, name: str) -> str:
+    """Why the patch's bug probes will be asked at its targets' import (``shim.probing``), or ``""``."""
+    from ..probing import why_asked
+    from ..settings import probe_mode
+
+    try:
+        patch: Patch = registry.patch(name)
+    except Exception:  # a module that cannot be imported: the status reason says so
+        return ""
+    mode = probe_mode()
+    reasons = (why_asked(library, mode) for library in patch.libraries if patch.probe_for(library) is not None)
+    return "; ".join(dict.fromkeys(reason for reason in reasons if reason))
 
 
 def _installed(package: str) -> bool:

@@ -2,7 +2,7 @@
 targets return, and readers of the registry's state and the shim's layers."""
 
 import shim
-from shim import Patch, Target
+from shim import Evidence, Patch, Target
 
 TARGET = """
 def f(x):
@@ -24,6 +24,11 @@ def make_patch(pkg, *paths, name="demo", requires=">=1.0", probe=None, **extra):
     paths = paths or ("target:f",)
     targets = tuple(Target(f"{pkg}.{path}", tagging(name), probe=probe) for path in paths)
     return Patch(name=name, summary="demo", distribution=pkg, requires=requires, targets=targets, **extra)
+
+
+def finds(present, detail="the demo's case"):
+    """A bug probe (``Patch.bug_probe``) that answers ``present``."""
+    return lambda: Evidence(present, detail)
 
 
 def shim_layers(obj):

@@ -4,7 +4,6 @@
 import importlib
 import importlib.abc
 import importlib.util
-import json
 import logging
 import sys
 import types
@@ -139,69 +138,7 @@ def test_probe_reason_is_shown(fake_modules):
     assert state(registry) == (SKIPPED, f"signature changed: f(y) ({pkg} 1.2.0 is inside >=1.0)")
 
 
-# -- a build between releases: the probe for upstream's fix decides -----------------------------------
-
-
-@pytest.mark.parametrize(
-    "installed, found, applies, said",
-    [
-        # A git build labelled as the first release with the fix, from before the fix merged: applied.
-        ("2.0.0+6a8f0e2", None, True, "is outside <2.0, but this build between releases lacks upstream's fix"),
-        # The same label on a build that has the fix: skipped, and why.
-        ("2.0.0+6a8f0e2", "fix() in place", False, "this build has upstream's fix: fix() in place"),
-        ("2.0.0.dev0", None, True, "this build between releases lacks upstream's fix"),
-        # A release: its version decides; the probe is not asked.
-        ("2.0.0", None, False, "is outside <2.0"),
-    ],
-)
-def test_a_build_between_releases_outside_the_gate_is_decided_by_the_probe_for_upstreams_fix(
-    fake_modules, monkeypatch, installed, found, applies, said
-):
-    pkg = fake_modules(target=TARGET)
-    monkeypatch.setattr(importlib.import_module(pkg), "__version__", installed)
-    asked = []
-
-    def upstream_fix():
-        asked.append(sys.modules.get(f"{pkg}.target") is not None)  # runs with the target module imported
-        return found
-
-    monkeypatch.setenv("SHIM_STRICT", "1")  # a fix found upstream is no problem, not even in strict mode
-    registry = Registry([make_patch(pkg, requires="<2.0", upstream_fix=upstream_fix)])
-    registry.activate()
-    module = importlib.import_module(f"{pkg}.target")
-    current, reason = state(registry)
-    assert (current, module.f(1)) == ((APPLIED, ("demo", 1)) if applies else (SKIPPED, 1))
-    assert said in reason
-    assert asked == ([] if installed == "2.0.0" else [True])
-
-
-def test_a_probe_for_upstreams_fix_that_raises_leaves_the_release_to_decide(fake_modules, monkeypatch):
-    pkg = fake_modules(target=TARGET)
-    monkeypatch.setattr(importlib.import_module(pkg), "__version__", "2.0.0+6a8f0e2")
-    registry = Registry([make_patch(pkg, requires="<2.0", upstream_fix=lambda: 1 / 0)])
-    registry.activate()
-    assert importlib.import_module(f"{pkg}.target").f(1) == 1
-    current, reason = state(registry)
-    assert current == SKIPPED and "looking for upstream's fix raised ZeroDivisionError" in reason
-    with pytest.raises(TypeError, match="upstream_fix= must be a callable"):
-        make_patch(pkg, upstream_fix="yes")
-
-
 # -- newer than measured ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def measured(tmp_path, monkeypatch):
-    """``shim/measured.json`` replaced by one that says ``{distribution: newest}``."""
-
-    def write(newest):
-        path = tmp_path / "measured.json"
-        path.write_text(json.dumps({"about": "test", "oldest": newest, "newest": newest}))
-        monkeypatch.setattr(gating, "MEASURED", str(path))
-        gating.newest_measured.cache_clear()
-
-    yield write
-    gating.newest_measured.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -25,14 +25,14 @@ _counter = itertools.count()
 BUILTIN = tuple(shim.registry.names)
 
 GOOD = """
-from shim import Patch, Target, record_effect
+from shim import Evidence, Patch, Target, record_effect
 
 def _double(wrapped, instance, args, kwargs):
     record_effect(NAME, "doubled")
     return 2 * wrapped(*args, **kwargs)
 
 PATCH = Patch(name=NAME, summary="doubles one()", distribution=DIST, requires=">=1.0",
-              targets=(Target(TARGET + ":one", _double),), self_check=lambda: False)
+              targets=(Target(TARGET + ":one", _double),), bug_probe=lambda: Evidence(False, "one() doubles"))
 """
 
 

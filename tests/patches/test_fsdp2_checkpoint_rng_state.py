@@ -18,6 +18,7 @@ from shim.selfcheck import steps as tinysteps
 from tests import devices
 from tests import tinymodels as testmodels
 from tests.conftest import run_python
+from tests.probes import bug_found
 
 NAME = "fsdp2-checkpoint-rng-state"
 ACCELERATE = Version(version("accelerate")) if importlib.util.find_spec("accelerate") else Version("0")
@@ -194,13 +195,12 @@ def test_the_name_accelerate_binds_early_is_the_patched_one():
     assert run_python(code, torch_first=True).stdout.strip().endswith("ok")
 
 
-def test_the_self_check_shows_the_bug_with_the_patch_off_only():
+def test_the_bug_probe_finds_the_bug_with_the_patch_off_only():
     """doctor's check: a torch-only stack of blocks with dropout (no transformers needed)."""
-    from shim.patches.fsdp2_checkpoint_rng_state import _self_check
 
     with shim.disabled(NAME):
-        assert _self_check() is True
-    assert _self_check() is False
+        assert bug_found(NAME) is True
+    assert bug_found(NAME) is False
 
 
 def test_the_probe_reads_upstreams_function():

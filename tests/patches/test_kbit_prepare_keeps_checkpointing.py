@@ -18,6 +18,7 @@ from shim.selfcheck import models, steps
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import configure, describe, layer_flags, quietly, supports
 from tests.tinymodels import causal_lm_grads
+from tests.probes import bug_found
 
 peft = pytest.importorskip("peft")
 torch = pytest.importorskip("torch")
@@ -236,12 +237,11 @@ def test_every_public_name_of_peft_s_function_is_the_patched_one():
         assert "cpo_trainer" in out, out
 
 
-def test_the_self_check_shows_the_bug_with_the_patch_off_only():
-    from shim.patches.kbit_prepare_keeps_checkpointing import _self_check
+def test_the_bug_probe_finds_the_bug_with_the_patch_off_only():
 
     with shim.disabled(NAME):
-        assert _self_check() is True
-    assert _self_check() is False
+        assert bug_found(NAME) is True
+    assert bug_found(NAME) is False
 
 
 def test_the_probe_reads_peft_s_signature():

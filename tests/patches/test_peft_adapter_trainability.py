@@ -16,6 +16,7 @@ import pytest
 from packaging.version import Version
 
 import shim
+from tests.probes import bug_found
 from shim import runtime as effects
 from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama_config
 
@@ -405,7 +406,7 @@ def test_trl_dpo_trainer_reference_adapter_trains_default_only(saved, tmp_path):
     assert state() == ("applied" if BUGGY else "skipped")
 
 
-# -- shape probes, self-check, the gate ---------------------------------------------------------
+# -- shape probes, bug probe, the gate ---------------------------------------------------------
 
 
 @needs_bug
@@ -427,10 +428,10 @@ def test_probes_accept_the_installed_peft_and_name_a_changed_signature():
 
 
 @needs_bug
-def test_self_check_sees_the_bug_only_with_the_patch_off():
+def test_the_bug_probe_finds_the_bug_only_with_the_patch_off():
     with shim.disabled(NAME):
-        assert patch_module._self_check() is True
-    assert patch_module._self_check() is False
+        assert bug_found(NAME) is True
+    assert bug_found(NAME) is False
 
 
 @pytest.mark.skipif(BUGGY, reason="version rule: peft 0.21.0 carries the fix (huggingface/peft#3495)")
@@ -438,7 +439,7 @@ def test_outside_the_gate_the_patch_is_skipped_and_upstream_is_right(saved):
     assert state() == "skipped"
     record = next(s for s in shim.status() if s.name == NAME)
     assert record.reason == f"peft {peft.__version__} is outside <0.21"
-    assert patch_module._self_check() is False
+    assert bug_found(NAME) is False
 
     model = get_peft_model(base_model(), lora_config())
     model.load_adapter(saved["plain"], adapter_name="other", is_trainable=False)

@@ -12,6 +12,7 @@ import shim
 from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama
 from shim.selfcheck.steps import wrong_grads
 from tests.tinymodels import sft_inputs
+from tests.probes import bug_found
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
@@ -217,7 +218,7 @@ def test_probe_accepts_the_installed_trl_and_names_a_changed_signature():
     assert "signature changed" in patch_module._probe(enable_selective_activation_checkpointing)
 
 
-def test_self_check_shows_the_bug_off_and_the_fix_on():
+def test_the_bug_probe_finds_the_bug_off_and_not_on():
     with shim.disabled(NAME):
-        assert patch_module._self_check() is True
-    assert patch_module._self_check() is False
+        assert bug_found(NAME) is True
+    assert bug_found(NAME) is False

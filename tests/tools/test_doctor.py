@@ -14,7 +14,7 @@ from packaging.version import Version
 from shim import SKIPPED, Registry
 from shim.tools import doctor
 from tests.conftest import ROOT, run_python
-from tests.engine.fakes import TARGET, make_patch
+from tests.engine.fakes import TARGET, finds, make_patch
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
@@ -78,9 +78,9 @@ def test_doctor_measures_the_bug_when_a_target_module_does_not_exist(fake_module
     importlib.import_module(pkg)
     registry = Registry(
         [
-            make_patch(pkg, "nowhere:f", requires=">=2.0", name="absent", self_check=lambda: False),
-            make_patch(pkg, "nowhere:f", requires=">=1.0", name="present", self_check=lambda: True),
-            make_patch("not_a_distribution_here", "nowhere:f", name="uninstalled", self_check=lambda: True),
+            make_patch(pkg, "nowhere:f", requires=">=2.0", name="absent", bug_probe=finds(False)),
+            make_patch(pkg, "nowhere:f", requires=">=1.0", name="present", bug_probe=finds(True)),
+            make_patch("not_a_distribution_here", "nowhere:f", name="uninstalled", bug_probe=finds(True)),
         ]
     )
     registry.activate()
@@ -188,9 +188,9 @@ def test_a_packs_check_runs_where_torch_cannot_be_imported_a_builtins_cannot(fak
 
     pkg = fake_modules(target="def f():\n    return 1\n")
     importlib.import_module(f"{pkg}.target")
-    builtin = make_patch(pkg, name="built-in", self_check=lambda: True)
+    builtin = make_patch(pkg, name="built-in", bug_probe=finds(True))
     object.__setattr__(builtin, "provider", PROVIDER)  # as the catalogue's listings say
-    registry = Registry([builtin, make_patch(pkg, name="from-a-pack", self_check=lambda: True)])
+    registry = Registry([builtin, make_patch(pkg, name="from-a-pack", bug_probe=finds(True))])
     registry.activate()
     monkeypatch.setitem(sys.modules, "torch", None)  # Python's way to make a module unimportable
     findings = {finding.name: finding for finding in doctor.run(registry)}

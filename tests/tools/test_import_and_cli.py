@@ -6,7 +6,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from shim import Patch, Registry, Target
+from shim import Evidence, Patch, Registry, Target
 from shim.tools import doctor
 from tests.conftest import run_python
 
@@ -122,11 +122,14 @@ def test_doctor_flags_a_patch_that_does_not_fix_its_bug(fake_modules):
     def no_op(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
+    def found(present):
+        return Evidence(present, "f() returns 1")
+
     registry = Registry(
         [
-            Patch("broken", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: module.f() == 1),
-            Patch("fine", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: False),
-            Patch("not-needed", "s", pkg, ">=9", (Target(f"{pkg}.target:f", no_op),), self_check=lambda: False),
+            Patch("broken", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(module.f() == 1)),
+            Patch("fine", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(False)),
+            Patch("not-needed", "s", pkg, ">=9", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(False)),
         ]
     )
     registry.activate()

@@ -24,7 +24,7 @@ This docstring is what ``python -m shim explain example-checkpoint-keeps-dropout
 
 import functools
 
-from shim import Patch, record_effect
+from shim import Evidence, Patch, record_effect
 from shim.checkpointing import Step, probe, targets
 
 NAME = "example-checkpoint-keeps-dropout-masks"
@@ -55,34 +55,39 @@ def _keeps_masks(layer, function):
     return function
 
 
-def _bug_shows() -> bool:
-    """``True`` when a tiny Llama with attention dropout, checkpointed with
-    ``preserve_rng_state=False``, gets other gradients than without checkpointing."""
+def _bug_probe() -> Evidence:
+    """The bug probe (``python -m shim doctor`` asks it with the patch off, then on; the shim asks it on
+    a transformers build it was not measured on): one layer that drops out, checkpointing with
+    ``preserve_rng_state=False``. The bug is there when its gradient differs from the same layer's
+    without checkpointing. It builds a bare layer from what is imported (``shim.selfcheck.bare``):
+    no model, no config, nothing imported or written."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, attention_dropout=0.5, attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    from shim.selfcheck import bare
 
-    def gradients():
-        model.zero_grad()
+    class DroppingLayer(bare.layer_class()):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dropout = torch.nn.Dropout(0.5)
+
+        def forward(self, hidden_states=None, **kwargs):
+            return self.dropout(self.linear(hidden_states))
+
+    def gradient(layer):
+        layer.zero_grad()
         torch.manual_seed(2)  # the same masks in the forward, with and without checkpointing
-        model(ids, labels=ids).loss.backward()
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        layer(torch.ones(4, 2, requires_grad=True)).sum().backward()
+        return layer.linear.weight.grad.clone()
 
-    reference = gradients()
-    options = {"use_reentrant": False, "preserve_rng_state": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.23 on
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
-    checkpointed = gradients()
-    return any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(reference, checkpointed))
+    layer = DroppingLayer().train()
+    reference = gradient(layer)
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(
+        torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False
+    )
+    if not torch.allclose(gradient(layer), reference):
+        return Evidence(True, "a layer that drops out, checkpointed with preserve_rng_state=False, gets other gradients")
+    return Evidence(False, "a layer that drops out gets the same gradients checkpointed with preserve_rng_state=False")
 
 
 STEP = Step(NAME, given=_keeps_masks)
@@ -95,6 +100,6 @@ PATCH = Patch(
     # The path's two targets (the layer's checkpoint-function slot and its __setstate__): the step is
     # ordered with the built-ins' steps by the one order; registered after them, it sits outside.
     targets=targets(STEP, probe=probe),
-    self_check=_bug_shows,
+    bug_probe=_bug_probe,
     references=("allenai/OLMo-core#828",),
 )

@@ -21,7 +21,7 @@ patch's summary: a pack's patch is explained from its own text.
 import os
 import re
 
-from shim import Patch, Target, record_effect
+from shim import Evidence, Patch, Target, record_effect
 
 NAME = "example-resume-complete-checkpoint"
 #: What the Trainer writes last into a checkpoint folder (``transformers.trainer.TRAINER_STATE_NAME``).
@@ -44,20 +44,25 @@ def _newest_complete(wrapped, instance, args, kwargs):
     return os.path.join(folder, max(steps)[1]) if steps else None
 
 
-def _bug_shows() -> bool:
-    """The self-check ``python -m shim doctor`` runs: ``True`` when the bug shows (with the patch off
-    it should; with it on it must not). It imports what it needs itself, when it runs."""
+def _bug_probe() -> Evidence:
+    """The bug probe: ``python -m shim doctor`` asks it with the patch off (the bug should show) and on
+    (it must not); the shim asks it before applying the patch on a transformers build it was not
+    measured on (a dev build, a newer release), and steps aside where it finds no bug. It takes
+    transformers' function from the module the patch targets, already imported: a probe imports
+    nothing. This bug lives on disk, so the probe writes a temporary folder (and removes it)."""
+    import sys
     import tempfile
 
-    from transformers.trainer_utils import get_last_checkpoint
-
+    get_last_checkpoint = sys.modules["transformers.trainer_utils"].get_last_checkpoint
     with tempfile.TemporaryDirectory() as folder:
         for step, finished in ((10, True), (20, False)):  # checkpoint-20: the save was cut short
             os.mkdir(os.path.join(folder, f"checkpoint-{step}"))
             if finished:
                 with open(os.path.join(folder, f"checkpoint-{step}", STATE), "w") as state:
                     state.write("{}")
-        return get_last_checkpoint(folder) == os.path.join(folder, "checkpoint-20")
+        if get_last_checkpoint(folder) == os.path.join(folder, "checkpoint-20"):
+            return Evidence(True, f"get_last_checkpoint picks a checkpoint without {STATE} (its save never finished)")
+    return Evidence(False, f"get_last_checkpoint picks the newest checkpoint with a {STATE}")
 
 
 # The module stays light: it imports the shim and the standard library only, never the library it
@@ -72,5 +77,5 @@ PATCH = Patch(
     requires=">=4.57,<6",
     targets=(Target("transformers.trainer_utils:get_last_checkpoint", _newest_complete),),
     consumers=("transformers.trainer",),  # `from .trainer_utils import get_last_checkpoint` there
-    self_check=_bug_shows,
+    bug_probe=_bug_probe,
 )
