@@ -264,7 +264,7 @@ def build(family: str, options, device: str):
     """``(model, inputs)`` of a family, on ``device``, in training mode, seeded."""
     import torch
 
-    from shim.selfcheck.models import lora_config, tiny_qwen2_vl, vision_tower
+    from tests.tinymodels import lora_config, tiny_qwen2_vl, vision_tower
 
     torch.manual_seed(0)
     if family == "frozen-tower":
@@ -319,7 +319,7 @@ def loss_of(model, inputs, call: str):
 
 
 def configure(model, checkpointing: str) -> None:
-    from shim.selfcheck.steps import enable_checkpointing
+    from tests.steps import enable_checkpointing
 
     if checkpointing == "none":
         if model.is_gradient_checkpointing:
@@ -379,7 +379,7 @@ def timed_steps(model, inputs, call: str, meter, steps: int) -> float:
 def measure(options, meter, log) -> dict:
     """Every case, shim off and on: gradients checked, then ``--rounds`` rounds of a measured step
     and ``--steps`` timed steps per side (the sides' order alternates)."""
-    from shim.selfcheck.steps import wrong_grads
+    from tests.steps import wrong_grads
 
     tolerance = dict(rtol=1e-5, atol=1e-6) if options.device == "cpu" else dict(rtol=1e-4, atol=1e-5)
     results, references, models = {}, {}, {}
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
     import torch
 
     import shim
-    from shim.selfcheck.models import quiet_transformers
+    from shim.tools.targets import quiet_transformers
 
     warnings.simplefilter("ignore")
     quiet_transformers()

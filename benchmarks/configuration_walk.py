@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import shim  # noqa: E402,F401  (as a training script starts)
-from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
+from shim.tools.targets import quiet_transformers  # noqa: E402
+from tests.tinymodels import tiny_llama  # noqa: E402
 
 
 def walk() -> collections.Counter:

@@ -21,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shim  # noqa: E402,F401  (as a training script starts)
-from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
+from shim.tools.targets import quiet_transformers  # noqa: E402
+from tests.tinymodels import tiny_llama  # noqa: E402
 
 quiet_transformers()
 warnings.simplefilter("ignore")

@@ -41,7 +41,8 @@ import transformers.modeling_utils  # noqa: E402,F401  (the patch applies on thi
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.patches._checkpointing_calls import enable  # noqa: E402
-from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower  # noqa: E402
+from shim.tools.targets import quiet_transformers  # noqa: E402
+from tests.tinymodels import tiny_qwen2_vl, vision_tower  # noqa: E402
 
 NAME = "frozen-tower-input-grads"
 MODES = ("upstream", "shim")

@@ -34,7 +34,9 @@ import transformers  # noqa: E402
 from harness import compare, interleave, per_call_ns, pin, timed  # noqa: E402  (benchmarks/, first on sys.path)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 
-from shim.selfcheck.models import quiet_transformers, tiny_llama  # noqa: E402
+from shim.tools.targets import quiet_transformers  # noqa: E402
+
+from tests.tinymodels import tiny_llama  # noqa: E402
 
 
 def decoder_layer(hidden: int = 256, batch: int = 4, seq: int = 256):

@@ -43,8 +43,8 @@ import transformers  # noqa: E402
 import transformers.modeling_layers  # noqa: E402,F401  (the patch applies on this import)
 
 import shim  # noqa: E402  (first, as a user would)
-from shim.selfcheck.models import quiet_transformers  # noqa: E402
-from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
+from shim.tools.targets import quiet_transformers  # noqa: E402
+from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads  # noqa: E402
 
 NAME = "reentrant-keyword-grads"
 MODES = ("none", "reentrant+shim", "non-reentrant", "reentrant-pos")

@@ -1,6 +1,6 @@
 """What the overhead benchmark runs, shim on and off: ``from_pretrained`` of a saved tiny Llama, a
 checkpointed training step with AdamW, greedy ``generate()``, plain disable/enable cycles, and trl's
-cycles around generation and around a reference-model forward. Every model comes from ``shim.selfcheck.models``.
+cycles around generation and around a reference-model forward. Every model comes from ``tests/tinymodels.py``.
 
 torch, transformers, trl and the shim are imported inside the functions: a fresh interpreter
 imports this module before its ``import shim``.
@@ -16,15 +16,15 @@ def quiet_libraries() -> None:
     warnings.simplefilter("ignore")
     import torch
 
-    from shim.selfcheck.models import quiet_transformers
+    from shim.tools.targets import quiet_transformers
 
     torch.set_num_threads(1)
     quiet_transformers()
 
 
 def llama(config: dict):
-    """A ``LlamaForCausalLM`` of ``shim.selfcheck.models`` with the sizes of ``config`` (a dict)."""
-    from shim.selfcheck.models import tiny_llama
+    """A ``LlamaForCausalLM`` of ``tests/tinymodels.py`` with the sizes of ``config`` (a dict)."""
+    from tests.tinymodels import tiny_llama
 
     options = dict(config)
     return tiny_llama(options.pop("num_hidden_layers"), **options)
@@ -34,7 +34,7 @@ def checkpointing_llama(layers: int, hidden: int, seq: int, **overrides):
     """The Llama the checkpointing benchmarks step (``reentrant_keyword_grads.py``,
     ``checkpoint_memory.py``): ``layers`` layers of width ``hidden``, 4 heads, an intermediate 4 times
     as wide, a vocabulary of 1024, ``seq`` positions. Unseeded: the caller seeds."""
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     options = dict(intermediate_size=hidden * 4, num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
     return tiny_llama(layers, hidden_size=hidden, max_position_embeddings=seq, **options, **overrides)
@@ -44,7 +44,7 @@ def save_model(directory: str, layers: int) -> int:
     """Save a tiny Llama of ``layers`` decoder layers for :func:`load`; returns its tensor count."""
     import torch
 
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(layers)
@@ -62,7 +62,7 @@ def training_model(config: dict, reentrant: bool, seed: int = 0):
     """A tiny Llama with checkpointing on, in train mode, with AdamW, and one batch."""
     import torch
 
-    from shim.selfcheck.steps import enable_checkpointing
+    from tests.steps import enable_checkpointing
 
     torch.manual_seed(seed)
     model = llama(config)

@@ -29,7 +29,8 @@ on one target share the engine's one layer there, which runs their parts in one 
 (``Patch.after``, ``Patch.place``: ``shim.order``). Other patchers on the shim's targets are named
 when asked: a status, doctor, the exit report, ``SHIM_LOG_LEVEL=DEBUG``, or
 ``shim.notice_others()`` at a moment of your own.
-``shim.selfcheck.models`` builds the tiny models of the self-checks (tests and benchmarks use them too).
+``shim.BugProbe`` and ``shim.Evidence`` declare a patch's bug probe (``Patch.bug_probe``); ``shim.selfcheck.bare``
+builds the bare models and layers they ask their question of.
 """
 
 from __future__ import annotations

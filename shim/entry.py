@@ -323,10 +323,10 @@ class Entry:
         not all imported waits for them: meanwhile the release decides (its targets are wrapped, and
         taken off again if the probe then finds no bug), or, where the release leaves the patch out,
         the targets wait with it. Returns the modules to wrap now and the modules the probes wait for."""
-        from . import gating
-
         if not now and not self.waiting_probes:
             return now, []
+        from . import gating
+
         patch = self.load()
         for library, due in self._due_probes(patch, now, mode).items():
             self.waiting_probes[library] = due
@@ -344,13 +344,13 @@ class Entry:
     def _due_probes(self, patch: Patch, module_names: list[str], mode: str) -> dict[str, tuple[BugProbe, str]]:
         """The bug probes to ask before the targets in ``module_names`` are wrapped, by library, with
         why each is asked (``shim.probing``): those not asked, nor waiting, yet in this process."""
-        from . import probing
+        from .gating import why_asked
 
         libraries = {patch.library_of(t) for t in patch.targets if t.module in module_names}
         due = {}
         for library in sorted(libraries - set(self.answers) - set(self.waiting_probes)):
             probe = patch.probe_for(library)
-            why = probing.why_asked(library, mode) if probe is not None else None
+            why = why_asked(library, mode) if probe is not None else None
             if probe is not None and why is not None:
                 due[library] = (probe, why)
         return due

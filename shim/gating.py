@@ -1,5 +1,6 @@
-"""Deciding whether a patch applies here: its version gate, what its bug probes answered where they
-were asked (``shim.probing``), each target's own requirement, and the shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
+"""Deciding whether a patch applies here: its version gate, where the release cannot vouch for the
+code and the patch's bug probe is asked (:func:`why_asked`), what the probes answered
+(``shim.probing``), each target's own requirement, and the shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
 
 One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
 pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
@@ -25,6 +26,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .ranges import version_range
+from .settings import PROBE_MODES
 
 if TYPE_CHECKING:
     from .layers import Resolved
@@ -129,6 +131,67 @@ def newer_than_measured(distribution: str) -> str | None:
     except InvalidVersion:
         return None
     return f"{distribution} {installed} is newer than the newest release measured ({newest})"
+
+
+# -- where the release cannot vouch for the code: a bug probe is asked ------------------------------
+
+AUTO, ALWAYS, NEVER = PROBE_MODES
+
+
+def why_asked(library: str, mode: str) -> str | None:
+    """Why the probe for ``library`` is asked here, or ``None`` where its release decides."""
+    if mode == NEVER:
+        return None
+    if mode == ALWAYS:
+        return "SHIM_PROBE=always"
+    installed = installed_version(library)
+    if installed is None:
+        return None
+    between = _between_releases(installed)
+    if between:
+        return f"{library} {installed} is {between}"
+    newer = newer_than_measured(library)
+    if newer:
+        return newer
+    return _not_from_a_release(library)
+
+
+def _between_releases(installed: str) -> str:
+    """``"a build between releases"`` where ``installed`` has a local, dev, pre- or post-release part."""
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return "not a PEP 440 version"
+    if version.local or version.is_devrelease or version.is_prerelease or version.is_postrelease:
+        return "a build between releases"
+    return ""
+
+
+_install_kind: dict[str, str] = {}  # distribution -> how it was installed, read once
+
+
+def _not_from_a_release(library: str) -> str | None:
+    """Where ``library`` was installed from its source rather than a release (PEP 610's
+    ``direct_url.json``: editable, or from a version-control system), a sentence that says so."""
+    kind = _install_kind.get(library)
+    if kind is None:
+        kind = _install_kind[library] = _read_install_kind(library)
+    return f"{library} is {kind}" if kind else None
+
+
+def _read_install_kind(library: str) -> str:
+    try:
+        text = importlib.metadata.distribution(library).read_text("direct_url.json")
+        found = json.loads(text) if text else {}
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        return ""
+    if not isinstance(found, dict):
+        return ""
+    if "vcs_info" in found:
+        return f"installed from {found['vcs_info'].get('vcs', 'version control')} ({found.get('url', '')})"
+    if isinstance(found.get("dir_info"), dict) and found["dir_info"].get("editable"):
+        return "an editable install"
+    return ""
 
 
 # -- whether a patch applies -----------------------------------------------------------------------

@@ -1,25 +1,18 @@
-"""Asking a patch's bug probe (``Patch.bug_probe``): where it is asked, and asking it without a trace.
+"""Asking a patch's bug probe (``Patch.bug_probe``) without a trace, and what it answered.
 
-A version gate says where a bug started; the version matrix says where it was measured. Where the
-installed release of a target's library is one the matrix measured, the gate decides and no probe
-runs. Where it is not (``SHIM_PROBE=auto``, the default): a build between releases (a local, dev,
-pre- or post-release part, an editable or VCS install) or a release newer than any measured, the
-library's probe is asked once per process, before the patch is applied there, and decides: the bug
-found, the patch applies (even where the gate would leave that build out); not found, the patch
-steps aside in that library. ``SHIM_PROBE=always`` asks every probe (the version matrix does, to
-check that each probe agrees with its gate), ``SHIM_PROBE=never`` none.
-
-A probe runs with the patch's own parts off (it is asked before they are placed, or inside
-``shim.disabled(name)``) and leaves no trace (:func:`_traceless`): torch's CPU random state, Python's
-and NumPy's are put back, gradients are on and the default device is the CPU whatever the caller's
-mode, warnings are not shown, and effects the shim's other patches record inside it are not counted.
+Where a probe is asked is the gate's business (``shim.gating.why_asked``: a build between releases,
+a release newer than any measured, ``SHIM_PROBE``); what its answer decides, the entry's
+(``shim.entry``: the bug found, the patch applies; not found, it steps aside in that library). Here:
+one probe asked, once, the patch's own parts off (it is asked before they are placed, or inside
+``shim.disabled(name)``), so that it leaves no trace (:func:`_traceless`): torch's CPU random state,
+Python's and NumPy's are put back, gradients are on and the default device is the CPU whatever the
+caller's mode, warnings are not shown, and effects the shim's other patches record inside it are not
+counted. An exception is an answer too: the probe failed, and the release decides.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import json
 import random
 import sys
 import time
@@ -27,13 +20,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import runtime
-from .gating import installed_version, newer_than_measured
-from .settings import PROBE_MODES
 
 if TYPE_CHECKING:
     from .patch import BugProbe, Evidence
-
-AUTO, ALWAYS, NEVER = PROBE_MODES
 
 
 class Answer(NamedTuple):
@@ -64,64 +53,6 @@ class Answer(NamedTuple):
         if self.evidence is None:
             return found | {"present": None, "detail": "", "error": self.error}
         return found | {"present": self.evidence.present, "detail": self.evidence.detail, "error": ""}
-
-
-def why_asked(library: str, mode: str) -> str | None:
-    """Why the probe for ``library`` is asked here, or ``None`` where its release decides."""
-    if mode == NEVER:
-        return None
-    if mode == ALWAYS:
-        return "SHIM_PROBE=always"
-    installed = installed_version(library)
-    if installed is None:
-        return None
-    between = _between_releases(installed)
-    if between:
-        return f"{library} {installed} is {between}"
-    newer = newer_than_measured(library)
-    if newer:
-        return newer
-    return _not_from_a_release(library)
-
-
-def _between_releases(installed: str) -> str:
-    """``"a build between releases"`` where ``installed`` has a local, dev, pre- or post-release part."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        version = Version(installed)
-    except InvalidVersion:
-        return "not a PEP 440 version"
-    if version.local or version.is_devrelease or version.is_prerelease or version.is_postrelease:
-        return "a build between releases"
-    return ""
-
-
-_install_kind: dict[str, str] = {}
-
-
-def _not_from_a_release(library: str) -> str | None:
-    """Where ``library`` was installed from its source rather than a release (PEP 610's
-    ``direct_url.json``: editable, or from a version-control system), a sentence that says so."""
-    kind = _install_kind.get(library)
-    if kind is None:
-        kind = _install_kind[library] = _read_install_kind(library)
-    return f"{library} is {kind}" if kind else None
-
-
-def _read_install_kind(library: str) -> str:
-    try:
-        text = importlib.metadata.distribution(library).read_text("direct_url.json")
-        found = json.loads(text) if text else {}
-    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
-        return ""
-    if not isinstance(found, dict):
-        return ""
-    if "vcs_info" in found:
-        return f"installed from {found['vcs_info'].get('vcs', 'version control')} ({found.get('url', '')})"
-    if isinstance(found.get("dir_info"), dict) and found["dir_info"].get("editable"):
-        return "an editable install"
-    return ""
 
 
 def ask(probe: BugProbe, library: str, why: str) -> Answer:

@@ -60,7 +60,7 @@ class Tolerances:
     bf16: tuple[float, float]
 
 
-#: ``shim.selfcheck.steps.wrong_grads``' defaults on a CPU (measured: 0 on a CPU, bit for bit); on
+#: ``tests.steps.wrong_grads``' defaults on a CPU (measured: 0 on a CPU, bit for bit); on
 #: CUDA ten times looser in float32, and bf16's half-percent rounding, compounded over a few layers.
 GRADIENTS = Tolerances(cpu=(1e-5, 1e-6), cuda=(1e-4, 1e-5), bf16=(5e-2, 1e-2))
 

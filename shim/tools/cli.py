@@ -216,7 +216,7 @@ def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
 
 
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
-    from ..selfcheck.models import quiet_transformers
+    from .targets import quiet_transformers
     from . import doctor
 
     json_file, unwritten = None, None
@@ -298,7 +298,7 @@ def _command(argv: list[str]) -> int:
     if args.command == "explain":
         return _explain(args, shim)
     if args.command == "bug-report":
-        from ..selfcheck.models import quiet_transformers
+        from .targets import quiet_transformers
         from .bugreport import write_report
 
         quiet_transformers()

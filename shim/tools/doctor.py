@@ -17,7 +17,7 @@ from .. import gating, probing
 from ..catalogue import PROVIDER as BUILTIN
 from ..entry import APPLIED, DISABLED, FAILED, SKIPPED
 from ..registry import Registry
-from .targets import import_targets
+from .targets import import_quietly, import_targets
 
 if TYPE_CHECKING:
     from ..patch import Patch
@@ -132,12 +132,19 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
 
 
 def ask(patch: Patch) -> list[Answer]:
-    """Every bug probe of ``patch`` whose library is installed, asked now."""
+    """Every bug probe of ``patch`` whose library is installed, asked now, the modules it needs
+    imported first (doctor imports; the engine waits for them)."""
     answers = []
     for probe in patch.probes:
         library = probe.library or patch.distribution
-        if gating.installed_version(library) is not None:
-            answers.append(probing.ask(probe, library, "python -m shim doctor"))
+        if gating.installed_version(library) is None:
+            continue
+        for module in probe.needs:
+            try:
+                import_quietly(module)
+            except Exception:  # a module this release lacks: the probe takes its other way, or says so
+                pass
+        answers.append(probing.ask(probe, library, "python -m shim doctor"))
     return answers
 
 

@@ -112,7 +112,7 @@ def _targets_missed(registry: Registry, name: str) -> tuple[str, str] | None:
 
 def _probe_asked(registry: Registry, name: str) -> str:
     """Why the patch's bug probes will be asked at its targets' import (``shim.probing``), or ``""``."""
-    from ..probing import why_asked
+    from ..gating import why_asked
     from ..settings import probe_mode
 
     try:

@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 OWN_IMPORT_NOTICES = (("trl.experimental", "trl.import_utils", "TRLExperimentalWarning"),)
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and info logs for a readable report (if it is there)."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def import_quietly(name: str) -> ModuleType:
     """``importlib.import_module(name)``, without the notices of :data:`OWN_IMPORT_NOTICES` it gives."""
     with warnings.catch_warnings():

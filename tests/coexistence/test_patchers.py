@@ -9,7 +9,9 @@ import types
 import pytest
 import torch
 
-from shim.selfcheck.models import quiet_transformers, tiny_llama
+from shim.tools.targets import quiet_transformers
+
+from tests.tinymodels import tiny_llama
 from tests.coexistence import patchers
 from tests.coexistence.patchers import PATTERNS
 from tests.conftest import run_python

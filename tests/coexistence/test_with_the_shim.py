@@ -1,6 +1,6 @@
 """Another patcher on the shim's targets, in both orders: the status names it and says what it
 means (bypassed: the fix does not run there; above / below: both run, in that order), and where
-the fix is not bypassed it still holds (the patch's own doctor self-check shows no bug).
+the fix is not bypassed it still holds (the patch's own bug probe, as doctor asks it, finds no bug).
 
 "Before the shim" is ``shim.deactivate()``, the patcher, ``shim.activate()``: the shim then wraps
 whatever the target holds, as ``import shim`` after the patcher does (one case runs the literal
@@ -12,9 +12,10 @@ import json
 import pytest
 
 import shim
-from shim.selfcheck.models import quiet_transformers
+from shim.tools.targets import quiet_transformers
 from tests.coexistence import patchers
 from tests.conftest import run_python
+from tests.probes import bug_found
 
 quiet_transformers()
 ENABLE_INPUT_GRADS = "transformers.modeling_utils:PreTrainedModel.enable_input_require_grads"
@@ -121,8 +122,7 @@ def test_the_status_names_the_other_patcher_and_the_fix_holds_where_it_is_not_by
             else:
                 assert record.state == "applied", (record.state, record.reason)
             if not named(record, "bypassed"):  # both run: the fix holds
-                check = shim.registry.patch(name).self_check
-                assert check is None or not check(), f"{name}: the bug shows with the shim and {case}"
+                assert not bug_found(name), f"{name}: the bug shows with the shim and {case}"
         blamed = {r.name for r in records.values() if r.others}
         assert blamed == set(expected), blamed  # nothing else is blamed on it
 
@@ -155,7 +155,7 @@ def test_a_patcher_beside_the_shims_targets_is_not_named(patcher, order):
 
 def test_the_effect_names_the_patcher_that_replaced_a_decoder_layers_forward():
     from shim import runtime as effects
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     name = "replaced-forward-keeps-checkpointing"
     with applied(patchers.unsloth_decoder_layer_forward, before_the_shim=False):
@@ -172,7 +172,7 @@ def test_axolotls_offloading_checkpoint_runs_with_the_shim():
     AttributeError without the shim); ``checkpoint-function-finds-layer`` hands it over again."""
     import torch
 
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     def forward():
         model = tiny_llama(layers=2).train()
@@ -204,7 +204,7 @@ def test_a_bypass_is_named_when_asked_not_while_a_model_sets_up(caplog, monkeypa
     """Other patchers are named when asked (a status, doctor, the exit report, DEBUG logging): a
     model's checkpointing enables say nothing of them; the first status warns of the bypass, once."""
     from shim import others
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     monkeypatch.setattr(others, "_seen", set())  # what earlier tests had logged
     with applied(lambda: patchers.own_noop(DISABLE), before_the_shim=False):
@@ -256,7 +256,7 @@ def test_doctor_names_a_patcher_stacked_on_the_fix_below_its_verdict():
 
 
 def test_the_shim_leaves_a_replacement_alone_until_activate_is_called():
-    """Never fight: the self-check's disable/enable and a later target import do not wrap the
+    """Never fight: a ``shim.disabled()`` block's switch and a later target import do not wrap the
     other patcher's function again; ``shim.activate()`` does, as asked."""
     import transformers.trainer  # noqa: F401  (a target module of the same patch, imported after)
     import trl.models.utils

@@ -8,7 +8,7 @@ tokens, losses, digests of weights and gradients, for compiled runs the number o
 breaks. The two runs must match exactly: torch runs on one thread, so the same computation repeats
 bit for bit on CPU. Where a case compares with another computation (compiled against eager, a
 checkpointed run against one without), it says the tolerance: ``COMPILED_GRADIENTS`` in
-``tests/do_no_harm/workflows/compiled.py``, ``shim.selfcheck.steps.wrong_grads``' defaults elsewhere. A case that
+``tests/do_no_harm/workflows/compiled.py``, ``tests.steps.wrong_grads``' defaults elsewhere. A case that
 fails without the shim is a broken test, never a pass.
 
 The workflows run on the test device (``--device`` / ``SHIM_TEST_DEVICE``, ``tests/devices.py``), made to

@@ -27,7 +27,7 @@ import importlib, json, pkgutil
 import shim, shim.patches
 import transformers.models.llama.modeling_llama as llama
 from liger_kernel.transformers import apply_liger_kernel_to_llama
-from shim.selfcheck.models import tiny_llama
+from tests.tinymodels import tiny_llama
 
 def resolve(spec):
     module, qualname = spec.split(":")

@@ -160,7 +160,7 @@ def profile(frame, event, arg):  # calls of its functions (CO_OPTIMIZED), not it
 sys.setprofile(profile)
 import shim
 import transformers.modeling_utils, transformers.trainer, trl.models.utils
-from shim.selfcheck.models import tiny_llama
+from tests.tinymodels import tiny_llama
 
 model = tiny_llama(2)
 model.train()

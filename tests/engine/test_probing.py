@@ -13,7 +13,7 @@ import pytest
 
 import shim
 from shim import APPLIED, PENDING, SKIPPED, BugProbe, Evidence, Patch, PatchError, Registry, ShimWarning, Target
-from shim import probing, runtime
+from shim import gating, probing, runtime
 from tests.engine.fakes import TARGET, finds, make_patch, state, tagging
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
@@ -114,7 +114,7 @@ def test_an_editable_install_is_probed(fake_modules, monkeypatch, tmp_path):
     (tmp_path / f"{pkg}-1.2.0.dist-info" / "direct_url.json").write_text(
         json.dumps({"url": "file:///src", "dir_info": {"editable": True}})
     )
-    assert probing.why_asked(pkg, "auto") == f"{pkg} is an editable install"
+    assert gating.why_asked(pkg, "auto") == f"{pkg} is an editable install"
     registry = Registry([make_patch(pkg, bug_probe=finds(False, "f"))])
     registry.activate()
     assert not wrapped(pkg)

@@ -21,7 +21,7 @@ import shim
 from shim import patches as catalogue
 from shim.patches._checkpointing_calls import enable
 from shim.patches._checkpointing_state import layer_state
-from shim.selfcheck.models import tiny_llama_config
+from tests.tinymodels import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_names_of
 from tests.conftest import ROOT, clean_environment
 from tests.patches.checkpointing_cases import quietly, tiny_llama
@@ -178,17 +178,19 @@ def test_import_shim_while_another_thread_executes_a_target_module_applies_the_p
 AMBIENT = """
 import json, torch, transformers
 import shim
-from shim.selfcheck.models import quiet_transformers, tiny_llama_config
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_llama_config
 quiet_transformers()
 context = {context}
 with context:  # the model classes are first imported in here
     model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
 torch.set_default_dtype(torch.float32)
-from shim.patches.reentrant_keyword_grads import _self_check
+from tests.probes import bug_found
 status = {{s.name: [s.state, s.reason] for s in shim.status()}}
 with shim.disabled():
-    upstream = _self_check()
-print(json.dumps({{"status": status["reentrant-keyword-grads"], "bug_upstream": upstream, "bug_with_shim": _self_check()}}))
+    upstream = bug_found("reentrant-keyword-grads")
+print(json.dumps({{"status": status["reentrant-keyword-grads"], "bug_upstream": upstream,
+                  "bug_with_shim": bug_found("reentrant-keyword-grads")}}))
 """
 
 CONTEXTS = {
@@ -412,11 +414,11 @@ for name in shim.registry.names:
         except Exception:
             continue
         layers[name + " " + target.spec] = sum(1 for e in wrapt.wrapper_chain(current) if name in patch_names_of(e))
-from shim.patches.reentrant_keyword_grads import _self_check
+from tests.probes import bug_found
 with shim.disabled():
-    upstream = _self_check()
+    upstream = bug_found("reentrant-keyword-grads")
 print(json.dumps({{"states": {{s.name: s.state for s in shim.status()}}, "layers": layers,
-                  "fix": [upstream, _self_check()]}}))
+                  "fix": [upstream, bug_found("reentrant-keyword-grads")]}}))
 """
 
 

@@ -9,7 +9,8 @@ import transformers
 from packaging.version import Version
 
 from shim.patches._checkpointing_calls import is_checkpointing
-from shim.selfcheck.models import quiet_transformers, tiny_llama
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_llama
 
 quiet_transformers()
 TRANSFORMERS = Version(transformers.__version__)

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import runtime as effects
 from shim.checkpointing import LayerCheckpoint
-from shim.selfcheck.models import tiny_llama
-from shim.selfcheck.steps import (
+from tests.tinymodels import tiny_llama
+from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
     layer_finding_checkpoint,

@@ -11,7 +11,7 @@ import transformers
 from packaging.version import Version
 
 import shim
-from shim.selfcheck.models import lora_config, tiny_llama
+from tests.tinymodels import lora_config, tiny_llama
 from tests.patches.checkpointing_cases import TrainerRows, quietly
 
 NAME = "checkpointing-args-aliases"

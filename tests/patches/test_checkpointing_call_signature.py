@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import shim
-from shim.selfcheck.models import tiny_llama_config
+from tests.tinymodels import tiny_llama_config
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import (
     TRANSFORMERS,
@@ -205,7 +205,7 @@ def test_trainer_step_with_an_override(shape, kwargs_id, tmp_path):
 
 
 def tiny_config():
-    from shim.selfcheck.models import tiny_llama_config
+    from tests.tinymodels import tiny_llama_config
 
     return tiny_llama_config(num_hidden_layers=4)
 

@@ -26,8 +26,8 @@ import transformers
 from packaging.version import Version
 
 import shim
-from shim.selfcheck.models import frozen_input_llama, tiny_llama
-from shim.selfcheck.steps import (
+from tests.tinymodels import frozen_input_llama, tiny_llama
+from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
     layer_finding_checkpoint,

@@ -54,8 +54,8 @@ from transformers.models.llama import modeling_llama
 
 import shim
 import shim.patches
-from shim.selfcheck.models import frozen_input_llama, tiny_llama
-from shim.selfcheck.steps import (
+from tests.tinymodels import frozen_input_llama, tiny_llama
+from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
     layer_finding_checkpoint,
@@ -257,7 +257,7 @@ def test_a_model_enabled_reentrant_before_import_shim_keeps_its_configuration_an
     warnings.simplefilter("ignore")
     import torch, transformers
 
-    def build(frozen):  # shim.selfcheck.models' tiny_llama(3), seeded as keyword_driven and frozen_input_llama are
+    def build(frozen):  # tests.tinymodels' tiny_llama(3), seeded as keyword_driven and frozen_input_llama are
         torch.manual_seed(0)
         config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
@@ -274,7 +274,7 @@ def test_a_model_enabled_reentrant_before_import_shim_keeps_its_configuration_an
     import shim
     from trl.models.utils import disable_gradient_checkpointing
     from tests.patches.test_checkpointing_path import MODELS, configuration
-    from shim.selfcheck.steps import wrong_grads
+    from tests.steps import wrong_grads
 
     result = {}
     for run, models in built.items():
@@ -472,7 +472,7 @@ def test_a_reentrant_function_assigned_to_every_layer_gives_the_gradients_of_no_
 
 @from_5_23
 def test_a_layer_finding_function_assigned_to_every_layer_works():
-    """A LlamaFactory-style function (``shim.selfcheck.steps.layer_finding_checkpoint``: the layer as
+    """A LlamaFactory-style function (``tests.steps.layer_finding_checkpoint``: the layer as
     ``func.func.__self__``) assigned straight to every layer: no AttributeError, the gradients of no
     checkpointing."""
     model = frozen_first_layer_llama()
@@ -881,8 +881,8 @@ STEP_RUN = """
 import json, sys
 import torch
 import shim
-from shim.selfcheck.models import tiny_llama
-from shim.selfcheck.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
+from tests.tinymodels import tiny_llama
+from tests.steps import layer_finding_checkpoint, trainable_grads, wrong_grads
 USE_STEP
 
 torch.manual_seed(0)

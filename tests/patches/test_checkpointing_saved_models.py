@@ -88,7 +88,7 @@ def test_a_model_saved_with_the_shim_loads_where_the_shim_cannot_be_imported(sav
 
 KEYWORD_GRADS = """
 import torch, shim
-from shim.selfcheck.steps import keyword_driven_grads, wrong_grads
+from tests.steps import keyword_driven_grads, wrong_grads
 from tests.do_no_harm.workflows.saved_models import disable, load
 
 def wrong_after_loading(path):

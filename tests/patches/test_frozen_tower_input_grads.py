@@ -18,7 +18,8 @@ import shim
 from shim import runtime as effects
 from shim.patches._checkpointing_calls import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
-from shim.selfcheck.models import quiet_transformers, tiny_qwen2_vl, vision_tower
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper
 from tests import devices
 from tests.patches.checkpointing_cases import TRANSFORMERS

@@ -14,7 +14,7 @@ import pytest
 from packaging.version import Version
 
 import shim
-from shim.selfcheck import steps as tinysteps
+from tests import steps as tinysteps
 from tests import devices
 from tests import tinymodels as testmodels
 from tests.conftest import run_python

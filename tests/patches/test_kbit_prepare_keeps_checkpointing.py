@@ -14,7 +14,8 @@ import warnings
 import pytest
 
 import shim
-from shim.selfcheck import models, steps
+from tests import steps
+from tests import tinymodels as models
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import configure, describe, layer_flags, quietly, supports
 from tests.tinymodels import causal_lm_grads

@@ -14,7 +14,8 @@ from packaging.version import Version
 
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
-from shim.selfcheck.models import frozen_llama_class, quiet_transformers, tiny_llama_config
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import frozen_llama_class, tiny_llama_config
 from tests.patches.checkpointing_cases import TRANSFORMERS
 
 NAME = "load-keeps-requires-grad"
@@ -139,7 +140,7 @@ def test_the_frozen_parameters_are_noted_once_per_load(monkeypatch):
     tensor goes straight to upstream. An argument that takes no weak reference (a dict) leaves each
     call to look at its own slot, with no walk of the model."""
     from shim.patches import load_keeps_requires_grad as patch
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     walks = []
     original = patch._frozen_names

@@ -18,7 +18,8 @@ from packaging.version import Version
 import shim
 from tests.probes import bug_found
 from shim import runtime as effects
-from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama_config
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import lora_config, tiny_llama_config
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

@@ -19,8 +19,8 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import runtime as effects
 from shim.checkpointing import is_reentrant
-from shim.selfcheck.models import frozen_input_llama
-from shim.selfcheck.steps import enable_checkpointing, trainable_grads, wrong_grads
+from tests.tinymodels import frozen_input_llama
+from tests.steps import enable_checkpointing, trainable_grads, wrong_grads
 from shim.wrapping import find_shim_wrapper
 
 

@@ -21,8 +21,9 @@ import shim
 from shim import runtime
 from shim.checkpointing import LayerCheckpoint, is_reentrant, probe, wants_grad
 from shim.patches._checkpointing_state import same_function
-from shim.selfcheck.models import quiet_transformers, tiny_llama_config
-from shim.selfcheck.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_llama_config
+from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import quietly
 from tests.patches.checkpointing_cases import tiny_llama as stock_tiny_llama

@@ -9,8 +9,9 @@ import torch
 import transformers
 
 import shim
-from shim.selfcheck.models import lora_config, quiet_transformers, tiny_llama
-from shim.selfcheck.steps import wrong_grads
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import lora_config, tiny_llama
+from tests.steps import wrong_grads
 from tests.tinymodels import sft_inputs
 from tests.probes import bug_found
 

@@ -72,7 +72,7 @@ def test_each_device_reads_its_own_stated_tolerance_and_a_cpu_keeps_the_suites()
     assert devices.Device().tolerance(stated) == {"rtol": 1e-5, "atol": 1e-6}
     assert devices.Device("cuda").tolerance(stated) == {"rtol": 1e-4, "atol": 1e-5}
     assert devices.Device("cuda", bf16=True).tolerance(stated) == {"rtol": 5e-2, "atol": 1e-2}
-    # the CPU figure is shim.selfcheck.steps.wrong_grads' default, which the suite always used
+    # the CPU figure is tests.steps.wrong_grads' default, which the suite always used
     assert devices.CPU.tolerance() == {"rtol": 1e-5, "atol": 1e-6}
 
 

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.any_version  # the code as it is, whatever is installed
 
 ENGINE = ROOT / "shim"
 #: What a patch module may import of the engine: the package's API (Patch, Target, record_effect,
-#: switch_of, wrappers), the checkpointing path's API, and the shared tiny models and the steps taken on them.
-PUBLIC = {"shim", "shim.checkpointing", "shim.selfcheck", "shim.selfcheck.models", "shim.selfcheck.steps"}
+#: switch_of, wrappers, BugProbe, Evidence), the checkpointing path's API, and the bug probes' bare models.
+PUBLIC = {"shim", "shim.checkpointing", "shim.selfcheck", "shim.selfcheck.bare"}
 
 
 def imports(path) -> set[str]:
@@ -69,8 +69,8 @@ def engine_graph() -> dict[str, set[str]]:
     return rooms
 
 
-#: The user's tools (CLI, doctor, tables, exit report, launcher) and the self-checks' tiny models
-#: and steps, each in its own wing: built on the engine, never imported by it (``import shim`` stays
+#: The user's tools (CLI, doctor, tables, exit report, launcher) and the bug probes' bare models,
+#: each in its own wing: built on the engine, never imported by it (``import shim`` stays
 #: small, and a tool can change without touching what runs in a training process). Only the
 #: package's front door may reach them, lazily: ``shim.report()`` and ``SHIM_REPORT=1``.
 WINGS = ("shim.tools", "shim.selfcheck")
@@ -79,7 +79,7 @@ FRONT_DOOR = {"shim", "shim.__main__"}
 
 def test_the_engine_never_imports_the_tools_nor_the_self_checks():
     graph = shim_graph()
-    assert {"shim.tools.cli", "shim.tools.doctor", "shim.selfcheck.models"} <= set(graph), "where this test looks"
+    assert {"shim.tools.cli", "shim.tools.doctor", "shim.selfcheck.bare"} <= set(graph), "where this test looks"
 
     def in_wing(name):
         return name in WINGS or name.startswith(tuple(f"{wing}." for wing in WINGS))
@@ -112,15 +112,19 @@ ROOMS = {
     "shim.rebinding": set(),  # consumers' copies of a target
     "shim.layers": {"shim.wrapping", "shim.rebinding", "shim.parts", "shim.runtime", "shim.patch"},  # one patch's parts
     "shim.others": {"shim.wrapping", "shim.layers", "shim.patch"},  # other patchers, named when asked
+    "shim.probing": {"shim.runtime", "shim.patch"},  # asking a bug probe without a trace
     "shim.gating": {
         "shim.wrapping",
         "shim.assigning",
         "shim.layers",
         "shim.patch",
+        "shim.probing",
         "shim.ranges",
+        "shim.settings",
     },  # whether a patch applies
     "shim.entry": {
         "shim.gating",
+        "shim.probing",
         "shim.layers",
         "shim.others",
         "shim.runtime",
@@ -257,9 +261,9 @@ def names_in(tree) -> set[str]:
 
 
 def test_the_self_checks_wing_holds_only_what_shipped_code_uses():
-    """``shim/selfcheck`` ships in the wheel for the patches' self-checks: each function, class and
-    constant it defines is used by a patch or the shim (or by one that is); what only the tests build
-    is in tests/tinymodels.py, and nothing shipped imports the tests."""
+    """``shim/selfcheck`` ships in the wheel for the patches' bug probes: each function, class and
+    constant it defines is used by a patch or the shim (or by one that is); what only the tests and
+    the benchmarks build is in tests/tinymodels.py and tests/steps.py, and nothing shipped imports the tests."""
     defined = {}
     for path in sorted((ENGINE / "selfcheck").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
@@ -268,7 +272,7 @@ def test_the_self_checks_wing_holds_only_what_shipped_code_uses():
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 defined.update((target.id, node) for target in targets if isinstance(target, ast.Name))
-    assert {"tiny_llama", "enable_checkpointing", "Grads"} <= set(defined), "where this test looks"
+    assert {"model", "layer_class", "StandIn"} <= set(defined), "where this test looks"
     shipped = [
         path for path in [*ENGINE.rglob("*.py"), *(ROOT / "patches").glob("*.py")] if "selfcheck" not in path.parts
     ]

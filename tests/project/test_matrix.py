@@ -37,7 +37,7 @@ def no_known_unfixed(tmp_path, monkeypatch):
     return known
 
 
-def report(version, verdict, requires=">=5.0", name="demo", self_check=True):
+def report(version, verdict, requires=">=5.0", name="demo", has_probe=True):
     gated = version.split("+")[0]
     admitted = tuple(int(x) for x in gated.split(".")) >= tuple(int(x) for x in requires[2:].split("."))
     return {
@@ -56,7 +56,7 @@ def report(version, verdict, requires=">=5.0", name="demo", self_check=True):
                 installed=version,
                 gated_as=gated,
                 admitted=admitted,
-                has_self_check=self_check,
+                has_probe=has_probe,
             )
         ],
         "findings": {
@@ -169,8 +169,8 @@ def test_target_requirements_narrow_the_gate_and_their_edges_are_checked():
     assert "`transformers>=4.57`; targets `transformers>=5.16`" in table.render(reports)
 
 
-def test_a_patch_without_self_check_or_with_stale_reports_fails():
-    assert "no self_check" in texts(gates.check({"a": report("5.0.0", "no self-check", self_check=False)})[0])[0]
+def test_a_patch_without_a_bug_probe_or_with_stale_reports_fails():
+    assert "no bug probe" in texts(gates.check({"a": report("5.0.0", "no bug probe", has_probe=False)})[0])[0]
     stale = {"a": report("5.0.0", "fixed", ">=5.0"), "b": report("5.1.0", "fixed", ">=5.1")}
     assert any("disagree on the gate" in t for t in texts(gates.check(stale)[0]))
 

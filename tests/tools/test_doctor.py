@@ -34,7 +34,7 @@ def test_the_note_quotes_what_transformers_raises_on_these_releases():
     import transformers
     from transformers.integrations.peft import MIN_PEFT_VERSION
 
-    from shim.selfcheck.models import tiny_llama_config
+    from tests.tinymodels import tiny_llama_config
 
     notes = [note for note in doctor.notes() if note not in doctor.newer_notes()]
     if Version(peft.__version__) >= Version(MIN_PEFT_VERSION):

@@ -46,8 +46,9 @@ def test_report_lists_what_changed_and_what_did_not():
 TRAINING_SCRIPT = """
 import shim
 import tempfile, torch
-from shim.selfcheck.models import frozen_llama_class
-from shim.selfcheck.models import quiet_transformers, tiny_llama_config
+from tests.tinymodels import frozen_llama_class
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 with tempfile.TemporaryDirectory() as directory:

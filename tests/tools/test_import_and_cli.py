@@ -20,8 +20,9 @@ ROUND_TRIP = """
 import json, tempfile
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
-from shim.selfcheck.models import frozen_llama_class
-from shim.selfcheck.models import quiet_transformers, tiny_llama_config
+from tests.tinymodels import frozen_llama_class
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import tiny_llama_config
 quiet_transformers()
 model_class = frozen_llama_class()
 model = model_class(tiny_llama_config())

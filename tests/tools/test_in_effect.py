@@ -10,7 +10,7 @@ LLAMA = """
 import json, warnings
 warnings.simplefilter("ignore")
 import shim
-from shim.selfcheck.models import tiny_llama
+from tests.tinymodels import tiny_llama
 
 model = tiny_llama(3)
 model.train()
@@ -60,7 +60,7 @@ TOWER = """
 import json, warnings
 warnings.simplefilter("ignore")
 import shim
-from shim.selfcheck.models import tiny_qwen2_vl, vision_tower
+from tests.tinymodels import tiny_qwen2_vl, vision_tower
 
 model, _inputs = tiny_qwen2_vl()
 vision_tower(model).requires_grad_(False)
@@ -85,7 +85,7 @@ import json, warnings
 warnings.simplefilter("ignore")
 import shim
 from peft import LoraConfig, get_peft_model
-from shim.selfcheck.models import tiny_llama
+from tests.tinymodels import tiny_llama
 
 model = get_peft_model(tiny_llama(2), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
 model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj", "v_proj"], inference_mode=True))

@@ -5,7 +5,7 @@ of ``{case: record}``. A record has ``ok``, ``error`` (``"Type: message"`` or ``
 and ``cpu`` (its wall and CPU time), and what the case produced (tokens, losses, digests of weights and gradients), nothing that
 differs between two runs of the same computation.
 
-Models come from ``shim.selfcheck.models`` and ``tests.tinymodels``; torch runs on one thread, so a
+Models come from ``tests/tinymodels.py`` and ``tests.tinymodels``; torch runs on one thread, so a
 computation repeats bit for bit. They run on the suite's test device (:data:`DEVICE`, ``tests/devices.py``:
 ``SHIM_TEST_DEVICE``), made to repeat itself there too (:func:`tests.devices.deterministic`).
 """
@@ -32,7 +32,7 @@ def quiet() -> None:
 
     import torch
 
-    from shim.selfcheck.models import quiet_transformers
+    from shim.tools.targets import quiet_transformers
 
     torch.set_num_threads(1)
     devices.deterministic(DEVICE)

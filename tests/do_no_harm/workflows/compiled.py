@@ -8,10 +8,10 @@ Cases, ``python tests/do_no_harm/workflows/compiled.py CASE ...``:
   ``generate()``; its tokens against the uncompiled ``generate()``'s;
 - ``<model>/train-<none|reentrant|non-reentrant>/<backend>``: two SGD steps of ``torch.compile(model)``
   with that checkpointing; losses and gradients against two uncompiled steps without checkpointing;
-- ``fix-keyword/<backend>``: ``shim.selfcheck.steps.keyword_driven_grads`` (decoder layers called with
+- ``fix-keyword/<backend>``: ``tests.steps.keyword_driven_grads`` (decoder layers called with
   ``hidden_states=``), reentrant checkpointing, every decoder layer compiled in place
   (``layer.compile()``); gradients against the uncompiled run without checkpointing;
-- ``fix-frozen-input/<backend>``: ``shim.selfcheck.models.frozen_input_llama``, reentrant checkpointing,
+- ``fix-frozen-input/<backend>``: ``tests.tinymodels.frozen_input_llama``, reentrant checkpointing,
   ``torch.compile(model)``; gradients against the uncompiled run without checkpointing.
 - ``graph-break/<function>/<backend>/<regional|whole>``: a graph break in every decoder layer
   (``user_functions.graph_break_in_every_layer``: ``LlamaMLP.forward`` calls
@@ -47,15 +47,15 @@ import transformers
 from packaging.version import Version
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from shim.selfcheck import models as tinymodels
-from shim.selfcheck import steps as tinysteps
+from tests import tinymodels
+from tests import steps as tinysteps
 from tests import devices
 from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import DEVICE, digest, grads, input_ids, quiet, run_cases, user_functions, weights
 
 TRANSFORMERS = Version(transformers.__version__)
 
-#: Compiled against eager. On a CPU ``shim.selfcheck.steps.wrong_grads``' defaults (measured: 0 on
+#: Compiled against eager. On a CPU ``tests.steps.wrong_grads``' defaults (measured: 0 on
 #: eager/aot_eager, 3e-8 inductor); on CUDA inductor's Triton kernels sum in their own order, and under
 #: bf16 autocast it keeps in float32 what eager rounds to bf16 (stated, not yet measured on a device).
 COMPILED_GRADIENTS = devices.Tolerances(cpu=(1e-5, 1e-6), cuda=(1e-4, 1e-5), bf16=(5e-2, 1e-2))

@@ -14,7 +14,7 @@ object.
 
 This module imports nothing of the shim, at import or on the loading side, where ``import shim``
 fails (a model given ``user_functions.checkpoint_layer`` refers to that module by name, and it
-imports none either). The saving side builds the Llama with ``shim.selfcheck.models``, imported there.
+imports none either). The saving side builds the Llama with ``tests/tinymodels.py``, imported there.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def tiny_vit():
 def tiny_llama():
     import torch
 
-    from shim.selfcheck.models import tiny_llama
+    from tests.tinymodels import tiny_llama
 
     torch.manual_seed(0)
     return tiny_llama(3).train()

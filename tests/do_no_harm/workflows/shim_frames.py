@@ -21,7 +21,7 @@ import torch
 import shim
 import shim.patches
 from shim import importhooks
-from shim.selfcheck import models as tinymodels
+from tests import tinymodels
 from tests.do_no_harm.workflows import DEVICE, input_ids, quiet, run_cases
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (shim, shim.patches))

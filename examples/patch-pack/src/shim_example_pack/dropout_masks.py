@@ -73,10 +73,12 @@ def _bug_probe() -> Evidence:
         def forward(self, hidden_states=None, **kwargs):
             return self.dropout(self.linear(hidden_states))
 
+    rows = torch.arange(1.0, 17.0).unsqueeze(1)  # each row of the output weighs differently in the loss
+
     def gradient(layer):
         layer.zero_grad()
         torch.manual_seed(2)  # the same masks in the forward, with and without checkpointing
-        layer(torch.ones(4, 2, requires_grad=True)).sum().backward()
+        (layer(torch.ones(16, 2, requires_grad=True)) * rows).sum().backward()
         return layer.linear.weight.grad.clone()
 
     layer = DroppingLayer().train()

@@ -1,7 +1,5 @@
-"""Steps taken on the tiny models of ``shim.selfcheck.models``: enabling checkpointing, one backward and
-its gradients, comparing them, counting checkpointed layer calls. Those of the self-checks of
-``python -m shim doctor``, shared with the tests and the benchmarks.
-
+"""Steps the tests and the benchmarks take on the tiny models of ``tests/tinymodels.py``: enabling
+checkpointing, one backward and its gradients, comparing them, counting checkpointed layer calls.
 torch and transformers are imported inside the functions: importing this module costs nothing.
 """
 

@@ -1,0 +1,181 @@
+"""Every built-in patch's bug probe (``Patch.bug_probe``) on the real libraries: it finds the bug where
+the gate admits the installed releases and not with the patch on; on a build between releases
+(``tests/devbuild.py``: the libraries say a dev version) the stock code gets every patch it needs,
+and a copy with a fix edited in makes that patch step aside, its library alone, with the same
+training outcome with the shim on, off and without it; and asking every probe leaves no trace."""
+
+import json
+
+import pytest
+
+import shim
+from shim import gating
+from tests.conftest import run_python
+from tests.devbuild import DEV_VERSIONS, FIXES
+from tests.probes import bug_found
+
+INSTALLED = [name for name in shim.registry.names if gating.installed_version(shim.registry.patch(name).distribution)]
+
+
+def admitted(name: str) -> bool:
+    patch = shim.registry.patch(name)
+    return gating.check_versions(patch.distribution, patch.specifier).admitted
+
+
+@pytest.mark.parametrize("name", INSTALLED)
+def test_the_probe_finds_the_bug_where_the_gate_admits_the_release_and_none_with_the_patch_on(name):
+    from shim.tools.targets import import_targets
+
+    import_targets(shim.registry, [name])
+    with shim.disabled(name):
+        upstream = bug_found(name)
+    with_the_patch = bug_found(name)
+    relevant = any(t.requirement is None or gating.check_versions(t.requirement.name, t.requirement.specifier).admitted
+                   for t in shim.registry.patch(name).targets)  # fmt: skip
+    assert upstream is (admitted(name) and relevant), "the probe and the gate disagree on the installed releases"
+    assert with_the_patch is False
+
+
+STATUS_ON_A_DEV_BUILD = """
+import json
+from tests import devbuild
+devbuild.install(devbuild.DEV_VERSIONS, fixes={fixes!r})
+import shim
+from shim.tools.targets import import_targets
+import_targets(shim.registry, list(shim.registry.names))
+print(json.dumps({{s.name: [str(s.state), s.decided_by, s.reason, s.effects] for s in shim.status()}}))
+"""
+
+
+def status_on_a_dev_build(fixes=()):
+    done = run_python(STATUS_ON_A_DEV_BUILD.format(fixes=list(fixes)), torch_first=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def installed(name: str) -> bool:
+    return name in INSTALLED
+
+
+def test_on_a_dev_build_every_probe_finds_the_stock_bugs_and_decides():
+    status = status_on_a_dev_build()
+    for name, (state, decided_by, reason, _effects) in status.items():
+        if not installed(name):
+            continue
+        if name == "peft-adapter-trainability":  # peft 0.21.0 carries the fix: still outside the gate
+            assert (state, decided_by) == ("skipped", "release") and "carries the fix" in reason, reason
+            continue
+        assert (state, decided_by) == ("applied", "probe"), (name, reason)
+        assert "has the bug" in reason and "is a build between releases" in reason, (name, reason)
+        assert f"transformers {DEV_VERSIONS['transformers']}" in reason or "trl" in reason or "peft" in reason or (
+            "accelerate" in reason
+        ), reason
+
+
+#: Patches whose targets are in two libraries: a fix edited into one makes them step aside there only.
+IN_ONE_LIBRARY_ONLY = {"checkpointing-call-signature": "trl", "kbit-prepare-keeps-checkpointing": "peft"}
+
+
+def test_on_a_dev_build_with_the_fixes_edited_in_each_patch_steps_aside_where_its_fix_is():
+    status = status_on_a_dev_build(fixes=FIXES)
+    for name in FIXES:
+        state, decided_by, reason, effects = status[name]
+        assert decided_by == "probe" and effects == 0, (name, reason)
+        if name in IN_ONE_LIBRARY_ONLY:  # the other library's copy still has the bug: applied there
+            library = IN_ONE_LIBRARY_ONLY[name]
+            assert state == "applied" and f"steps aside: {library} {DEV_VERSIONS[library]} carries the fix" in reason
+        else:
+            assert state == "skipped" and "steps aside" in reason and "carries the fix" in reason, (name, reason)
+    stock = {name for name in INSTALLED if name not in FIXES and name != "peft-adapter-trainability"}
+    assert {name for name in stock if status[name][0] == "applied"} == stock, "the others still find their bug"
+
+
+OUTCOME = """
+import json, os, tempfile
+from tests import devbuild
+devbuild.install(devbuild.DEV_VERSIONS, fixes=["input-grad-hook-dedupe", "load-keeps-requires-grad"])
+if os.environ.get("WITH_SHIM"):
+    import shim
+import torch
+from shim.tools.targets import quiet_transformers
+from tests.tinymodels import frozen_llama_class, tiny_llama_config
+from tests.steps import enable_checkpointing
+quiet_transformers()
+torch.manual_seed(0)
+cls = frozen_llama_class()
+with tempfile.TemporaryDirectory() as folder:
+    cls(tiny_llama_config()).save_pretrained(folder)
+    model = cls.from_pretrained(folder)
+model.train()
+for _ in range(3):  # trl's cycle around each generation
+    enable_checkpointing(model, {"use_reentrant": False})
+    model.activation_checkpointing_disable()
+enable_checkpointing(model, {"use_reentrant": False})
+ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+loss = model(ids, labels=ids).loss
+loss.backward()
+out = dict(
+    loss=loss.item(),
+    hooks=len(model.get_input_embeddings()._forward_hooks),
+    trainable=sorted(n for n, p in model.named_parameters() if p.requires_grad),
+    grads=sorted(n for n, p in model.named_parameters() if p.grad is not None),
+)
+if os.environ.get("WITH_SHIM"):
+    out["shim"] = {s.name: [str(s.state), s.effects] for s in shim.status() if s.name in devbuild.FIXES}
+print(json.dumps(out))
+"""
+
+
+def test_on_a_dev_build_with_a_fix_the_run_is_the_same_with_the_shim_on_off_and_without_it():
+    """transformers 5.26.0.dev0 that keeps frozen parameters frozen through a load and removes old
+    input-grad hooks: upstream's fixes act alone, the shim claims no effect."""
+    runs = {
+        "on": run_python(OUTCOME, env={"WITH_SHIM": "1"}, torch_first=True),
+        "off": run_python(OUTCOME, env={"WITH_SHIM": "1", "SHIM_DISABLE": "all"}, torch_first=True),
+        "without": run_python(OUTCOME, torch_first=True),
+    }
+    outcomes = {key: json.loads(done.stdout.strip().splitlines()[-1]) for key, done in runs.items()}
+    shim_on = outcomes["on"].pop("shim")
+    outcomes["off"].pop("shim")
+    assert outcomes["on"] == outcomes["off"] == outcomes["without"]
+    assert outcomes["on"]["hooks"] == 1, "upstream's fix: one hook however many cycles"
+    assert "model.embed_tokens.weight" not in outcomes["on"]["trainable"], "upstream's fix: kept frozen"
+    for name in ("input-grad-hook-dedupe", "load-keeps-requires-grad"):
+        assert shim_on[name] == ["skipped", 0], shim_on
+
+
+TRACE = """
+import json, os, random, sys
+import torch
+torch.manual_seed(0)
+random.seed(0)
+import shim
+import transformers.utils.logging as hf_logging
+from shim.tools.targets import import_targets
+names = list(shim.registry.names)
+import_targets(shim.registry, names)
+print(json.dumps(dict(
+    modules=sorted(sys.modules),
+    once=[hf_logging.warning_once.cache_info().currsize, hf_logging.info_once.cache_info().currsize],
+    random=[torch.rand(1).item(), random.random()],
+    grad=torch.is_grad_enabled(),
+    probes={s.name: s.probe for s in shim.status()},
+    effects=sum(s.effects for s in shim.status()),
+)))
+"""
+
+
+def test_asking_every_probe_leaves_no_trace():
+    """The same process with every probe asked (``SHIM_PROBE=always``) and none asked: the same modules
+    imported, the same once-only messages of transformers left to show, the same random draws, the
+    same grad mode, no effect counted and nothing printed."""
+    asked = run_python(TRACE, env={"SHIM_PROBE": "always"}, torch_first=True)
+    not_asked = run_python(TRACE, env={"SHIM_PROBE": "never"}, torch_first=True)
+    with_probes, without = (json.loads(done.stdout.strip().splitlines()[-1]) for done in (asked, not_asked))
+    probes = with_probes.pop("probes")
+    assert without.pop("probes") == {name: None for name in probes}
+    assert set(with_probes["modules"]) == set(without["modules"]), set(with_probes["modules"]) ^ set(without["modules"])
+    assert with_probes == without
+    assert asked.stderr == not_asked.stderr
+    for name in INSTALLED:
+        answers = probes[name]
+        assert answers and all(answer["present"] is not None for answer in answers), (name, answers)
