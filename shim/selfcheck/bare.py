@@ -21,10 +21,17 @@ def torch_module() -> Any:
     return sys.modules["torch"]
 
 
+def seed(value: int = 0) -> None:
+    """Seed torch's CPU generator alone: ``torch.manual_seed`` also queues a seed for CUDA, to be
+    applied when CUDA initialises, which would outlive the probe (``shim.probing`` puts the CPU
+    generator's state back)."""
+    torch_module().random.default_generator.manual_seed(value)
+
+
 def linear(width: int = 2) -> Any:
     """A seeded float32 ``Linear(width, width)`` on the CPU."""
     torch = torch_module()
-    torch.manual_seed(0)
+    seed()
     return torch.nn.Linear(width, width, dtype=torch.float32, device="cpu")
 
 
@@ -94,7 +101,7 @@ def model(layers: int = 2, cls: type | None = None) -> Any:
     cls = cls or model_class()
     built = cls.__new__(cls)
     torch.nn.Module.__init__(built)
-    torch.manual_seed(0)
+    seed()
     built.embed = torch.nn.Embedding(4, 2, dtype=torch.float32, device="cpu")
     layer_type = layer_class() if layers else None
     built.layers = torch.nn.ModuleList(layer_type() for _ in range(layers)) if layer_type else torch.nn.ModuleList()

@@ -157,6 +157,7 @@ print(json.dumps(dict(
     modules=sorted(sys.modules),
     once=[hf_logging.warning_once.cache_info().currsize, hf_logging.info_once.cache_info().currsize],
     random=[torch.rand(1).item(), random.random()],
+    cuda_seeds_queued=len(getattr(torch.cuda, "_queued_calls", ())),  # torch.manual_seed queues one for CUDA
     grad=torch.is_grad_enabled(),
     probes={s.name: s.probe for s in shim.status()},
     effects=sum(s.effects for s in shim.status()),
@@ -166,8 +167,9 @@ print(json.dumps(dict(
 
 def test_asking_every_probe_leaves_no_trace():
     """The same process with every probe asked (``SHIM_PROBE=always``) and none asked: the same modules
-    imported, the same once-only messages of transformers left to show, the same random draws, the
-    same grad mode, no effect counted and nothing printed."""
+    imported, the same once-only messages of transformers left to show, the same random draws (and
+    no seed queued for a CUDA that initialises later), the same grad mode, no effect counted and
+    nothing printed."""
     asked = run_python(TRACE, env={"SHIM_PROBE": "always"}, torch_first=True)
     not_asked = run_python(TRACE, env={"SHIM_PROBE": "never"}, torch_first=True)
     with_probes, without = (json.loads(done.stdout.strip().splitlines()[-1]) for done in (asked, not_asked))
