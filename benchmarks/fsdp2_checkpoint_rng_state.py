@@ -35,7 +35,6 @@ from harness import compare, interleave, per_call_ns, pin, timed  # noqa: E402  
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 
 from shim.tools.targets import quiet_transformers  # noqa: E402
-
 from tests.tinymodels import tiny_llama  # noqa: E402
 
 

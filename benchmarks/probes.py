@@ -68,14 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     total = quartiles(totals)
     print(table(rows, ["probe (library)", "cold ms", "cold IQR", "warm ms"]))
     print()
-    print(f"every probe, cold, summed: {total[1]:.1f} ms (IQR {total[0]:.1f}-{total[2]:.1f}, {len(totals)} rounds); "
-          f"target <= {TARGET_MS:.0f} ms: {'met' if total[1] <= TARGET_MS else 'MISSED'}")
+    print(
+        f"every probe, cold, summed: {total[1]:.1f} ms (IQR {total[0]:.1f}-{total[2]:.1f}, {len(totals)} rounds); "
+        f"target <= {TARGET_MS:.0f} ms: {'met' if total[1] <= TARGET_MS else 'MISSED'}"
+    )
     added = (import_cost["on"] - import_cost["off"]) * 1000
-    print(f"importing every target module: {import_cost['on'] * 1000:.0f} ms CPU with SHIM_PROBE=always, "
-          f"{import_cost['off'] * 1000:.0f} ms with never (+{added:.0f} ms; ratio {import_cost['ratio']:.3f}, "
-          f"IQR {import_cost['ratio_q25']:.3f}-{import_cost['ratio_q75']:.3f})")
-    print(f"SHIM_PROBE=auto on the installed releases: {len(auto['cold'])} probes asked "
-          f"({'nothing added' if not auto['cold'] else 'probes run on a measured release'})")
+    print(
+        f"importing every target module: {import_cost['on'] * 1000:.0f} ms CPU with SHIM_PROBE=always, "
+        f"{import_cost['off'] * 1000:.0f} ms with never (+{added:.0f} ms; ratio {import_cost['ratio']:.3f}, "
+        f"IQR {import_cost['ratio_q25']:.3f}-{import_cost['ratio_q75']:.3f})"
+    )
+    print(
+        f"SHIM_PROBE=auto on the installed releases: {len(auto['cold'])} probes asked "
+        f"({'nothing added' if not auto['cold'] else 'probes run on a measured release'})"
+    )
     print(f"median per probe, warm: {statistics.median(v for r in always for v in r['warm'].values()) * 1000:.3f} ms")
     return 0
 

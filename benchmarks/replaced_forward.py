@@ -40,8 +40,8 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 import shim  # noqa: E402  (first, as a user would)
 from shim.tools.targets import quiet_transformers  # noqa: E402
-from tests.tinymodels import tiny_llama  # noqa: E402
 from tests.steps import checkpointed_layer_calls, enable_checkpointing  # noqa: E402
+from tests.tinymodels import tiny_llama  # noqa: E402
 
 NAME = "replaced-forward-keeps-checkpointing"
 MODES = ("upstream", "shim", "stock", "none")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 
 from shim import Evidence, Patch, record_effect
-from shim.selfcheck import bare
 from shim.checkpointing import LayerMethod, Step, bind_torch, eager, in_effect, probe, targets
+from shim.selfcheck import bare
 
 NAME = "checkpoint-function-finds-layer"
 

@@ -113,10 +113,14 @@ def _bug_probe() -> Evidence:
 
     model = bare.model()
     enable(model, {"use_reentrant": True, "every_n_layers": 1, "selective": False})
-    leaked = sorted({key for _, _, keywords in bare.checkpointing(model) for key in keywords or () if key in _NOT_FOR_CHECKPOINT})
+    leaked = sorted(
+        {key for _, _, keywords in bare.checkpointing(model) for key in keywords or () if key in _NOT_FOR_CHECKPOINT}
+    )
     if leaked:
         return Evidence(True, f"{' and '.join(leaked)} in the checkpointing kwargs reach torch.utils.checkpoint")
-    return Evidence(False, "every_n_layers and selective in the checkpointing kwargs stay out of the checkpoint partial")
+    return Evidence(
+        False, "every_n_layers and selective in the checkpointing kwargs stay out of the checkpoint partial"
+    )
 
 
 PATCH = Patch(

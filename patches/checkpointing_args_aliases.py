@@ -152,8 +152,12 @@ def _bug_probe() -> Evidence:
         object.__setattr__(arguments, old, None)
     arguments.gradient_checkpointing = True
     if arguments.activation_checkpointing is not True:
-        return Evidence(True, "gradient_checkpointing = True assigned after construction leaves activation_checkpointing unset")
-    return Evidence(False, "gradient_checkpointing = True assigned after construction sets activation_checkpointing too")
+        return Evidence(
+            True, "gradient_checkpointing = True assigned after construction leaves activation_checkpointing unset"
+        )
+    return Evidence(
+        False, "gradient_checkpointing = True assigned after construction sets activation_checkpointing too"
+    )
 
 
 PATCH = Patch(

@@ -192,7 +192,9 @@ def _trl_bug_probe() -> Evidence:
             pass
     except TypeError as exc:
         return Evidence(True, f"disable_gradient_checkpointing re-enables a keyword-only enable with: TypeError: {exc}")
-    return Evidence(False, "disable_gradient_checkpointing re-enables a keyword-only enable as it takes its configuration")
+    return Evidence(
+        False, "disable_gradient_checkpointing re-enables a keyword-only enable as it takes its configuration"
+    )
 
 
 def _transformers_bug_probe() -> Evidence:
@@ -203,10 +205,14 @@ def _transformers_bug_probe() -> Evidence:
 
     base = sys.modules[bare.MODELING_UTILS].PreTrainedModel
     if hasattr(base, "activation_checkpointing_enable"):
-        return _narrow_override_case(lambda model: model.activation_checkpointing_enable(), "activation_checkpointing_enable")
+        return _narrow_override_case(
+            lambda model: model.activation_checkpointing_enable(), "activation_checkpointing_enable"
+        )
     if "every_n_layers" in inspect.signature(base.gradient_checkpointing_enable).parameters:
         return _narrow_override_case(_trainer_enables, "Trainer.train")
-    return Evidence(False, "transformers passes an enable override no every_n_layers or offload: its own enable takes neither")
+    return Evidence(
+        False, "transformers passes an enable override no every_n_layers or offload: its own enable takes neither"
+    )
 
 
 def _narrow_override_case(enabling, caller: str) -> Evidence:

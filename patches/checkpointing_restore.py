@@ -30,7 +30,6 @@ from ._checkpointing_state import (
     capture,
     captured_kwargs,
     describe,
-    layer_state,
     replaced_kwargs,
     restore,
 )

@@ -194,7 +194,7 @@ def _probe():
     return None
 
 
-# -- self-check (python -m shim doctor) ------------------------------------------------------------
+# -- the decision, taken as on several processes (the bug probe, and the tests) --------------------
 
 
 @contextlib.contextmanager
@@ -285,7 +285,7 @@ def _bug_probe() -> Evidence:
     arguments = bare.StandIn(
         **checkpointing,
         distributed_state=bare.StandIn(distributed_type=distributed.MULTI_CPU, num_processes=2),
-        parallel_mode=getattr(sys.modules["transformers.training_args"], "ParallelMode").DISTRIBUTED,
+        parallel_mode=sys.modules["transformers.training_args"].ParallelMode.DISTRIBUTED,
         n_gpu=0,
         gradient_accumulation_steps=1,
     )

@@ -170,7 +170,9 @@ def _bug_probe() -> Evidence:
     model.tower = bare.model(layers=0).requires_grad_(False)
     model.enable_input_require_grads()
     if model.tower.embed(torch.zeros(1, dtype=torch.long)).requires_grad:
-        return Evidence(True, "enable_input_require_grads makes a frozen sub-model's input embeddings' output require grad")
+        return Evidence(
+            True, "enable_input_require_grads makes a frozen sub-model's input embeddings' output require grad"
+        )
     return Evidence(False, "enable_input_require_grads leaves a frozen sub-model's input embeddings' output as it is")
 
 

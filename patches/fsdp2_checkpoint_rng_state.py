@@ -113,7 +113,11 @@ def _bug_probe() -> Evidence:
     plugin = bare.StandIn(auto_wrap_policy=policy, transformer_cls_names_to_wrap=["Block"])
     model = apply(bare.StandIn(state=bare.StandIn(fsdp_plugin=plugin)), Stack())
     wrapper_class = sys.modules[WRAPPERS].CheckpointWrapper
-    kept = [getattr(m.checkpoint_fn, "keywords", {}).get("preserve_rng_state") for m in model.modules() if isinstance(m, wrapper_class)]
+    kept = [
+        getattr(m.checkpoint_fn, "keywords", {}).get("preserve_rng_state")
+        for m in model.modules()
+        if isinstance(m, wrapper_class)
+    ]
     if not kept:
         raise RuntimeError("fsdp2_apply_ac wrapped no block of the stand-in")
     if False in kept:

@@ -78,7 +78,9 @@ def _changes_checkpointing(module_name: str) -> Evidence:
     prepare(model)
     after = bare.checkpointing(model)
     if after != before:
-        return Evidence(True, f"{module_name}.prepare_model_for_kbit_training re-enables checkpointing with {after[-1][2]}")
+        return Evidence(
+            True, f"{module_name}.prepare_model_for_kbit_training re-enables checkpointing with {after[-1][2]}"
+        )
     return Evidence(False, f"{module_name}.prepare_model_for_kbit_training keeps the checkpointing a model has")
 
 

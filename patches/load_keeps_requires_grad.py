@@ -189,7 +189,10 @@ def _call_by_name(set_param, module, value) -> None:
     for name, parameter in inspect.signature(set_param).parameters.items():
         if name in values:
             call[name] = values[name]
-        elif parameter.default is parameter.empty and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+        elif parameter.default is parameter.empty and parameter.kind not in (
+            parameter.VAR_POSITIONAL,
+            parameter.VAR_KEYWORD,
+        ):
             raise TypeError(f"set_param_for_module takes {name}, which the probe has no value for")
     set_param(**call)
 

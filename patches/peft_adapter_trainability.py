@@ -158,7 +158,7 @@ def _probe_load_adapter(original):
     return leading_parameters(original, ("self", "model_id", "adapter_name", "is_trainable"))
 
 
-# -- self-check --------------------------------------------------------------------------------
+# -- what the tests read of a model ----------------------------------------------------------------
 
 
 def lora_requires_grad(model) -> dict[str, bool]:
@@ -190,9 +190,13 @@ def _bug_probe() -> Evidence:
 
     model = peft.get_peft_model(Base(), peft.LoraConfig(target_modules=["linear"], r=1))
     model.add_adapter("other", peft.LoraConfig(target_modules=["linear"], r=1, inference_mode=True))
-    frozen = sorted(name for name, parameter in model.named_parameters() if ".default." in name and not parameter.requires_grad)
+    frozen = sorted(
+        name for name, parameter in model.named_parameters() if ".default." in name and not parameter.requires_grad
+    )
     if frozen:
-        return Evidence(True, f"adding a second adapter in inference mode froze the first one's {len(frozen)} trainable parameters")
+        return Evidence(
+            True, f"adding a second adapter in inference mode froze the first one's {len(frozen)} trainable parameters"
+        )
     return Evidence(False, "adding a second adapter in inference mode leaves the first one trainable")
 
 

@@ -22,7 +22,6 @@ Full story, versions measured and references: docs/bugs.md#reentrant-frozen-inpu
 from __future__ import annotations
 
 from shim import Evidence, Patch, record_effect
-from shim.selfcheck import bare
 from shim.checkpointing import (
     Step,
     any_grad,
@@ -35,6 +34,7 @@ from shim.checkpointing import (
     targets,
     wants_grad,
 )
+from shim.selfcheck import bare
 
 from ._modules import first_trainable
 
@@ -100,7 +100,9 @@ def _bug_probe() -> Evidence:
     if output.requires_grad:
         output.sum().backward()
     if layer.linear.weight.grad is None:
-        return Evidence(True, "a reentrant layer whose input requires no grad leaves its trainable weight without a gradient")
+        return Evidence(
+            True, "a reentrant layer whose input requires no grad leaves its trainable weight without a gradient"
+        )
     return Evidence(False, "a reentrant layer whose input requires no grad gives its trainable weight a gradient")
 
 

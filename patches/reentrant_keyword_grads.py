@@ -23,8 +23,8 @@ Full story, versions measured and references: docs/bugs.md#reentrant-keyword-gra
 from __future__ import annotations
 
 from shim import Evidence, Patch, record_effect
-from shim.selfcheck import bare
 from shim.checkpointing import Step, any_grad, bind_torch, eager, hand_over, in_effect, is_reentrant, probe, targets
+from shim.selfcheck import bare
 
 NAME = "reentrant-keyword-grads"
 
@@ -116,9 +116,15 @@ def _bug_probe() -> Evidence:
     output = layer(hidden_states=hidden)
     if output.requires_grad:
         output.sum().backward()
-    lost = [name for name, tensor in (("the keyword input", hidden), ("the weight", layer.linear.weight)) if tensor.grad is None]
+    lost = [
+        name
+        for name, tensor in (("the keyword input", hidden), ("the weight", layer.linear.weight))
+        if tensor.grad is None
+    ]
     if lost:
-        return Evidence(True, f"a reentrant layer called with hidden_states= leaves {' and '.join(lost)} without a gradient")
+        return Evidence(
+            True, f"a reentrant layer called with hidden_states= leaves {' and '.join(lost)} without a gradient"
+        )
     return Evidence(False, "a reentrant layer called with hidden_states= gives it and the weight their gradients")
 
 

@@ -29,8 +29,8 @@ import types
 import weakref
 
 from shim import Evidence, Patch, record_effect, switch_of, written_by
-from shim.selfcheck import bare
 from shim.checkpointing import ATTRIBUTE, Step, targets
+from shim.selfcheck import bare
 
 NAME = "replaced-forward-keeps-checkpointing"
 MISSING = object()

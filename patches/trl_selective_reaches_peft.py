@@ -126,7 +126,9 @@ def _bug_probe() -> Evidence:
     enable(outer, {"use_reentrant": False, "selective": True})
     keywords = [keywords or {} for flag, _, keywords in bare.checkpointing(inner.layers) if flag]
     if not keywords or not all("context_fn" in found and "selective" not in found for found in keywords):
-        return Evidence(True, "trl's selective checkpointing on a model that forwards to another never reaches its layers")
+        return Evidence(
+            True, "trl's selective checkpointing on a model that forwards to another never reaches its layers"
+        )
     return Evidence(False, "trl's selective checkpointing on a model that forwards to another reaches its layers")
 
 

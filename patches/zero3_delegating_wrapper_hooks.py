@@ -122,7 +122,9 @@ def _bug_probe() -> Evidence:
         method = vars(sys.modules[OFFLOAD].DeepSpeedZeRoOffload)["_register_deepspeed_module"]
         code = getattr(getattr(method, "__wrapped__", method), "__code__", None)
         if code is not None and "__dict__" in code.co_names and HOOK_CLASSES[0] in code.co_consts:
-            return Evidence(False, "_register_deepspeed_module looks for a module's hook classes in its __dict__ (#8144)")
+            return Evidence(
+                False, "_register_deepspeed_module looks for a module's hook classes in its __dict__ (#8144)"
+            )
         return Evidence(True, "_register_deepspeed_module asks hasattr, which a forwarding __getattr__ answers (#8144)")
     return _registered_forwarding_module()
 
@@ -155,8 +157,12 @@ def _registered_forwarding_module() -> Evidence:
         for handle in engine.forward_hooks + engine.backward_hooks:
             handle.remove()
     if not all(name in wrapper.__dict__ for name in HOOK_CLASSES):
-        return Evidence(True, "_register_deepspeed_module gives a module that forwards attribute lookups no hook classes of its own")
-    return Evidence(False, "_register_deepspeed_module gives a module that forwards attribute lookups its own hook classes")
+        return Evidence(
+            True, "_register_deepspeed_module gives a module that forwards attribute lookups no hook classes of its own"
+        )
+    return Evidence(
+        False, "_register_deepspeed_module gives a module that forwards attribute lookups its own hook classes"
+    )
 
 
 PATCH = Patch(

@@ -197,7 +197,9 @@ def _bug_probe() -> Evidence:
         from ._deepspeed_cases import reproduces
 
         if reproduces("frozen-recompute", NAME):
-            return Evidence(True, "a one-rank ZeRO-3 run with a frozen parameter under non-reentrant checkpointing fails")
+            return Evidence(
+                True, "a one-rank ZeRO-3 run with a frozen parameter under non-reentrant checkpointing fails"
+            )
         return Evidence(False, "a one-rank ZeRO-3 run with a frozen parameter under non-reentrant checkpointing trains")
     return Evidence(True, f"{COORDINATOR} has no update_recompute_parameters (deepspeedai/DeepSpeed#8148)")
 

@@ -64,5 +64,5 @@ build_cell .venvs/e2e-liger constraints/e2e-liger.txt liger-kernel triton
 [ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0
 run_cell "$first" tests/e2e --ignore tests/e2e/test_liger_kernel.py "$@"
 run_cell .venvs/e2e-ds0.19.8 tests/e2e --ignore tests/e2e/test_liger_kernel.py \
-    -k "zero3_doctor_self_checks or zero3_default_checkpointing_trains or labelled_0_19_3" "$@"
+    -k "zero3_doctor_bug_probes or zero3_default_checkpointing_trains or labelled_0_19_3" "$@"
 run_cell .venvs/e2e-liger tests/e2e/test_liger_kernel.py "$@"

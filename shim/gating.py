@@ -252,9 +252,7 @@ class Resolution(NamedTuple):
     problem: Problem | None
 
 
-def resolve_targets(
-    patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, Answer]
-) -> Resolution:
+def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, Answer]) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here;
     ``aside``: the libraries whose bug probe found no bug (their targets are left alone)."""
     from . import assigning, wrapping

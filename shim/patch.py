@@ -303,48 +303,6 @@ class Declared(Protocol):
     @property
     def place(self) -> str: ...
 
-    def _check_probes(self) -> None:
-        libraries = [probe.library for probe in self.probes]
-        if len(set(libraries)) != len(libraries) or ("" in libraries and len(libraries) > 1):
-            raise ValueError(f"patch {self.name!r}: one bug probe per library, or one for every target")
-        unknown = [name for name in libraries if name and name not in self.libraries]
-        if unknown:
-            raise ValueError(
-                f"patch {self.name!r}: a bug probe for {unknown[0]!r}, which none of its targets lives in "
-                f"(its targets' libraries: {', '.join(self.libraries)})"
-            )
-
-    @property
-    def probes(self) -> tuple[BugProbe, ...]:
-        """The patch's bug probes: ``bug_probe`` as a tuple of :class:`BugProbe` (``()``: none)."""
-        found = self.bug_probe
-        if found is None:
-            return ()
-        if isinstance(found, BugProbe):
-            return (found,)
-        if isinstance(found, tuple):
-            if not all(isinstance(probe, BugProbe) for probe in found):
-                raise TypeError(f"patch {self.name!r}: bug_probe= as a tuple holds shim.BugProbe only")
-            return found
-        if callable(found):
-            return (BugProbe(found),)
-        raise TypeError(f"patch {self.name!r}: bug_probe= must be a shim.BugProbe or a callable () -> shim.Evidence")
-
-    def probe_for(self, library: str) -> BugProbe | None:
-        """The probe whose answer decides the targets in ``library``, if any."""
-        return next((probe for probe in self.probes if probe.library in ("", library)), None)
-
-    def library_of(self, target: Target) -> str:
-        """The distribution a target lives in: the one of the patch's distributions its module's top
-        package is named after (``trl.models.utils`` -> ``trl``), else the patch's own."""
-        top = _normalized(target.module.partition(".")[0])
-        return next((name for name in self.distributions if _normalized(name) == top), self.distribution)
-
-    @property
-    def libraries(self) -> tuple[str, ...]:
-        """The distributions the targets live in, in the targets' order."""
-        return tuple(dict.fromkeys(self.library_of(target) for target in self.targets))
-
     @property
     def modules(self) -> tuple[str, ...]: ...
 

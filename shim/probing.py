@@ -95,4 +95,3 @@ def _traceless() -> Iterator[None]:
             random.setstate(python_state)
             if numpy is not None:
                 numpy.random.set_state(numpy_state)
-

@@ -143,9 +143,17 @@ def _declaration(entry: Entry) -> tuple[Patch | None, str]:
 
 def refused_by_a_probe(entry: Entry) -> bool:
     """Skipped or failed for good inside its gate, with nothing wrapped: a target missing, or a
-    probe that refused what it found there (another patcher's object, perhaps)."""
+    shape probe that refused what it found there (another patcher's object, perhaps); not a patch
+    that stepped aside because its bug probe found upstream's fix."""
     gate = entry.gate
-    return entry.final and entry.state in (State.SKIPPED, State.FAILED) and gate is not None and gate.skip is None
+    stepped_aside = any(answer.present is False for answer in entry.answers.values())
+    return (
+        entry.final
+        and entry.state in (State.SKIPPED, State.FAILED)
+        and gate is not None
+        and gate.skip is None
+        and not stepped_aside
+    )
 
 
 #: What a status reason adds after the sentence of :func:`shim.gating.newer_than_measured`.

@@ -168,7 +168,11 @@ def _trl_re_enables_by_keyword(utils) -> None:
 
 
 def _trl_restores_on_error(utils) -> None:
-    name = "_unwrap_model_for_generation" if hasattr(utils, "_unwrap_model_for_generation") else "unwrap_model_for_generation"
+    name = (
+        "_unwrap_model_for_generation"
+        if hasattr(utils, "_unwrap_model_for_generation")
+        else "unwrap_model_for_generation"
+    )
     original = getattr(utils, name)
 
     @contextlib.contextmanager
@@ -195,7 +199,10 @@ def _fsdp2_keeps_rng_state(fsdp_utils) -> None:
 
         model = original(accelerator, model)
         for module in model.modules():
-            if isinstance(module, CheckpointWrapper) and module.checkpoint_fn.keywords.get("preserve_rng_state") is False:
+            if (
+                isinstance(module, CheckpointWrapper)
+                and module.checkpoint_fn.keywords.get("preserve_rng_state") is False
+            ):
                 keywords = {**module.checkpoint_fn.keywords, "preserve_rng_state": True}
                 module.checkpoint_fn = functools.partial(module.checkpoint_fn.func, **keywords)
         return model
@@ -222,7 +229,9 @@ def _kbit_keeps_checkpointing(other) -> None:
     original = other.prepare_model_for_kbit_training
 
     @functools.wraps(original)
-    def prepare_model_for_kbit_training(model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs=None, **kw):
+    def prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs=None, **kw
+    ):
         states = _layer_states(model)
         result = original(model, use_gradient_checkpointing, gradient_checkpointing_kwargs, **kw)
         if gradient_checkpointing_kwargs is None and any(flag for _, flag, _ in states):
@@ -270,7 +279,10 @@ def _restores_checkpointing(modeling_utils) -> None:
 
 def _aliases_stay_one(training_args) -> None:
     cls = training_args.TrainingArguments
-    pairs = {"gradient_checkpointing": "activation_checkpointing", "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+    pairs = {
+        "gradient_checkpointing": "activation_checkpointing",
+        "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+    }
     pairs |= {new: old for old, new in pairs.items()}
     original = cls.__setattr__
 
@@ -310,5 +322,7 @@ FIXES = {
     "checkpoint-kwargs-clean": [("transformers.modeling_utils", _kwargs_become_parameters)],
     "checkpointing-restore": [("transformers.modeling_utils", _restores_checkpointing)],
     "checkpointing-args-aliases": [("transformers.training_args", _aliases_stay_one)],
-    "trl-selective-reaches-peft": [("trl.models.selective_activation_checkpointing", _selective_reaches_the_inner_model)],
+    "trl-selective-reaches-peft": [
+        ("trl.models.selective_activation_checkpointing", _selective_reaches_the_inner_model)
+    ],
 }

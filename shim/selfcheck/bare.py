@@ -99,7 +99,7 @@ def model(layers: int = 2, cls: type | None = None) -> Any:
     config): ``nn.Module``'s alone."""
     torch = torch_module()
     cls = cls or model_class()
-    built = cls.__new__(cls)
+    built: Any = object.__new__(cls)
     torch.nn.Module.__init__(built)
     seed()
     built.embed = torch.nn.Embedding(4, 2, dtype=torch.float32, device="cpu")

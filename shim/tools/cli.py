@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         help="what a bug report needs, as Markdown: versions, status, doctor, SHIM_* variables",
         description="Print, as Markdown to paste into a bug report: the versions of the shim, Python, torch and\n"
         "every patched library; the status; doctor's table for the patches that apply here (it runs\n"
-        "their self-checks); and the SHIM_* variables set.",
+        "their bug probes); and the SHIM_* variables set.",
         formatter_class=_formatter,
     )
     report.set_defaults(parser=report)
@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         "new-pack",
         help="write a patch pack that works as it is, to start one from",
         description="Write a patch pack called NAME into DIR (default: ./NAME): pyproject.toml with its entry\n"
-        "points, a module with a Patch gated on the installed transformers' major release, a self-check,\n"
+        "points, a module with a Patch gated on the installed transformers' major release, a bug probe,\n"
         "a test and a README. It installs with pip, and is listed, opted out and doctor-checked as it is.",
         formatter_class=_formatter,
     )
@@ -216,8 +216,8 @@ def _open_for_writing(path: str) -> tuple[IO[str] | None, str | None]:
 
 
 def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
-    from .targets import quiet_transformers
     from . import doctor
+    from .targets import quiet_transformers
 
     json_file, unwritten = None, None
     if args.json_file is not None:  # opened before the run: a file that cannot be written fails at once
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(argv[1:])
     from .report import silence_at_exit
 
-    silence_at_exit()  # doctor's self-checks act: no line about them at exit
+    silence_at_exit()  # the fixes act in doctor's own cases: no line about them at exit
     lenient(sys.stdout)  # PYTHONIOENCODING=ascii: explain's en dashes print as \u2013
     problem = cannot_write(sys.stdout)
     if problem:  # python -m shim >&-: said before any work, as a command line that cannot be used
@@ -298,8 +298,8 @@ def _command(argv: list[str]) -> int:
     if args.command == "explain":
         return _explain(args, shim)
     if args.command == "bug-report":
-        from .targets import quiet_transformers
         from .bugreport import write_report
+        from .targets import quiet_transformers
 
         quiet_transformers()
         write_report(shim.registry, lambda text: print(text, flush=True))

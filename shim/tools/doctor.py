@@ -72,7 +72,7 @@ def _yes_no(flag: bool) -> str:
 
 
 def blocker() -> str | None:
-    """Why no self-check can run in this environment, or ``None``. Every self-check trains a tiny
+    """Why no bug probe can run in this environment, or ``None``. Every built-in's probe builds a bare
     model, so torch must import: a CUDA-only wheel on a CPU machine or a broken install cannot, and
     that is no bug the shim failed to fix."""
     try:
@@ -83,7 +83,7 @@ def blocker() -> str | None:
 
 
 def examine(registry: Registry, name: str, blocked: str | None = None) -> Finding:
-    """One patch's finding; ``blocked``: why no self-check can run here (:func:`blocker`)."""
+    """One patch's finding; ``blocked``: why no bug probe can run here (:func:`blocker`)."""
     try:
         patch = registry.patch(name)
     except Exception as exc:  # a pack's module that cannot be imported: its status says why
@@ -152,7 +152,7 @@ def each(registry: Registry, names: Sequence[str] = ()) -> Iterator[Finding]:
     """The finding of each patch of ``names`` (default: every patch of ``registry``), by name, each
     as soon as its check has run."""
     chosen = sorted(name for name in registry.names if not names or name in names)
-    # Every built-in's self-check trains a tiny model, so torch must import for them; a patch pack's
+    # Every built-in's bug probe builds a bare model, so torch must import for them; a patch pack's
     # check needs what its author says, and runs (a check that fails to import torch is its error).
     builtin = {name for name in chosen if _is_builtin(registry, name)}
     blocked = blocker() if builtin else None
@@ -185,7 +185,7 @@ def total(findings: Sequence[Finding]) -> str:
 
 def concerned(registry: Registry, names: Iterable[str]) -> set[str]:
     """The distributions the patches ``names`` are about: each one's gate, its targets' requirements and
-    the libraries its targets live in, and torch for a built-in (its self-check trains on it). A note
+    the libraries its targets live in, and torch for a built-in (its bug probe builds on it). A note
     of doctor's about a distribution is printed only with the patches it concerns."""
     found = set()
     for name in names:

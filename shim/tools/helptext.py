@@ -30,7 +30,10 @@ states:
   will apply  its target module is not imported yet; its gate and the installed versions admit it:
               it applies right after that import (shim.status() and --json say pending)
   will skip   its target module is not imported yet, and no target of it is for these versions
-  skipped     not needed or not safe here (outside its gate, library not installed, code changed)
+  will probe  as will apply, on a build the shim was not measured on (dev, git, editable, newer):
+              the patch's bug probe decides at that import (SHIM_PROBE)
+  skipped     not needed or not safe here (outside its gate, library not installed, code changed,
+              its bug probe found upstream's fix: it steps aside)
   disabled    switched off (SHIM_DISABLE, shim.disable(), shim.deactivate())
   failed      wrapping raised and was rolled back, or another patcher replaced its layer
   (a state followed by ", suspended": off inside a shim.disabled() block)"""
@@ -39,21 +42,22 @@ EXIT_CODES = """\
 exit codes:
     0  success (status always; doctor: nothing that applies here is left unfixed, or it cannot
        check here: torch cannot be imported)
-    1  doctor: a bug that applies to the installed versions is NOT FIXED, or a self-check errored
+    1  doctor: a bug that applies to the installed versions is NOT FIXED, or a bug probe errored
     2  the command line was not understood, or the output cannot be written (doctor's
        --json-file, a closed stdout: python -m shim >&-); a one-line message says which
   141  the reader of the output went away before the end (python -m shim doctor --json | head)"""
 
 DOCTOR_DESCRIPTION = """\
-Run every patch's self-check on a tiny model built in code (nothing is downloaded), once with the
-patch switched off (does the bug show on the installed versions?) and once on (is it gone?).
+Ask every patch's bug probe, a tiny case built in code (nothing is downloaded), once with the patch
+switched off (does the bug show on the installed versions?) and once on (is it gone?).
 
 verdicts:
   fixed              the bug shows upstream and the patch removes it
   NOT FIXED          the bug shows and the patch does not remove it (or cannot apply here)
   not affected       the patch does not apply here and the bug does not show
-  not reproduced     the patch applies but its self-check does not show the bug here
-  opted out          switched off (SHIM_DISABLE); the self-check ran without it
+  not reproduced     the patch applies but its bug probe does not find the bug here
+  fixed upstream     its bug probe found upstream's fix on this build: the patch steps aside
+  opted out          switched off (SHIM_DISABLE); the bug probe was asked without it
   not installed      the library the patch is for is not installed
-  check error        the self-check itself raised (the detail says what)
-  cannot check here  no self-check can run in this environment (torch cannot be imported)"""
+  check error        the bug probe itself raised (the detail says what)
+  cannot check here  no bug probe can run in this environment (torch cannot be imported)"""

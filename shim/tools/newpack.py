@@ -4,7 +4,7 @@ NAME (kebab-case, as patch names are) names the distribution, its package (``my_
 first patch. The pack installs with pip, and ``python -m shim`` lists its patch, ``SHIM_DISABLE``
 opts it out and ``python -m shim doctor NAME`` checks it, with no edit: the patch passes every call
 of ``transformers.trainer_utils.set_seed`` through, gated on the installed transformers' major
-release, and its self-check finds no bug until its author writes one. docs/adding-a-patch.md says
+release, and its bug probe finds no bug until its author writes one. docs/adding-a-patch.md says
 what to change. A development tool: nothing of it runs at ``import shim``.
 """
 
@@ -152,12 +152,12 @@ shim, and `import shim` applies its patch `{name}`.
 ```sh
 pip install -e .
 python -m shim                    # lists {name}, from: {name} (a patch pack)
-python -m shim doctor {name}      # its self-check, with the patch off, then on
+python -m shim doctor {name}      # its bug probe, with the patch off, then on
 SHIM_DISABLE={name} python train.py   # opted out: its module is not even imported
 python -m pytest
 ```
 
-Change `src/{package}/fixes.py` (the target, the wrapper, the gate, the self-check, the story in
+Change `src/{package}/fixes.py` (the target, the wrapper, the gate, the bug probe, the story in
 its docstring), then run `python -m shim pack-index` to list the new target modules in
 `pyproject.toml`, and reinstall.
 """

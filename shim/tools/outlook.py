@@ -42,7 +42,10 @@ WILL_PROBE = "will probe"  # its bug probe decides at the import (shim.probing)
 _SAID = {
     OUTSIDE: ("outside its versions", "outside their versions"),
     NOT_INSTALLED: ("needs a library that is not installed", "need a library that is not installed"),
-    FIXED_UPSTREAM: ("steps aside: its bug probe found upstream's fix", "step aside: their bug probes found upstream's fix"),
+    FIXED_UPSTREAM: (
+        "fixed upstream (its bug probe found the fix: it steps aside)",
+        "fixed upstream (their bug probes found the fix: they step aside)",
+    ),
     OPTED_OUT: ("opted out", "opted out"),
     BROKEN: ("failed", "failed"),
     SKIPPED: ("skipped (see its reason)", "skipped (see their reasons)"),

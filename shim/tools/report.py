@@ -58,7 +58,7 @@ def printable(text: str, keep: str = "") -> str:
     """``text`` for a terminal: each character that does not print (ESC, BEL, a carriage return, a
     bidirectional override) escaped as ``repr`` escapes it, as the shim's messages quote ``SHIM_*``
     values; ``keep``: characters left as they are (explain keeps its newlines). A patch pack's
-    summary, story, reason or self-check error cannot move the cursor or colour the screen."""
+    summary, story, reason or bug probe error cannot move the cursor or colour the screen."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
@@ -172,7 +172,7 @@ _said = False
 
 
 def silence_at_exit() -> None:
-    """Say nothing at exit in this process: ``python -m shim``'s own, whose effects are its self-checks'."""
+    """Say nothing at exit in this process: ``python -m shim``'s own, whose effects are its bug probes'."""
     global _said
     _said = True
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from shim.tools.targets import quiet_transformers
-
-from tests.tinymodels import tiny_llama
 from tests.coexistence import patchers
 from tests.coexistence.patchers import PATTERNS
 from tests.conftest import run_python
+from tests.tinymodels import tiny_llama
 
 quiet_transformers()
 ENABLE = "gradient_checkpointing_enable"

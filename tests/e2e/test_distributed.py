@@ -256,10 +256,11 @@ def test_unmodified_gkd_zero3_completes_under_shim_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# doctor: the DeepSpeed patches' self-checks (one ZeRO-3 rank in a child process each).
+# doctor: the DeepSpeed patches' bug probes (zero3-frozen-recompute's, with the patch on: one ZeRO-3 rank in
+# a child process).
 
 
-def test_zero3_doctor_self_checks(tmp_path):
+def test_zero3_doctor_bug_probes(tmp_path):
     code = (
         "import json, shim\n"
         "from shim.tools import doctor\n"
@@ -280,7 +281,7 @@ def test_zero3_doctor_self_checks(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------
 # A DeepSpeed build between releases: a git build labelled 0.19.3 (gated as 0.19.3, outside the patches'
-# gate) from before the fixes merged lacks them; one from after has them. The probe for the fix decides.
+# gate) from before the fixes merged lacks them; one from after has them. Each patch's bug probe decides.
 
 GIT_BUILD = "0.19.3+6a8f0e2"
 
@@ -288,8 +289,9 @@ GIT_BUILD = "0.19.3+6a8f0e2"
 def test_a_deepspeed_build_labelled_0_19_3_is_decided_by_the_probe_for_the_fix(tmp_path):
     """DeepSpeed's metadata says 0.19.3+6a8f0e2 (a dist-info ahead of the installed one: the version the gates
     read while deepspeed is still importing). On 0.19.2's code, a stand-in for a git build from 2026-06-16 to
-    07-22, which lacks both fixes: both patches apply, doctor says ``fixed`` (the bug shows with each off). On
-    0.19.3's code and later (here: the installed release): both are skipped, and the reason names the fix found."""
+    07-22, which lacks both fixes: both patches apply, decided by their probes, and doctor says ``fixed`` (the
+    bug shows with each off). On 0.19.3's code and later (here: the installed release): both stay out, and the
+    reason names what the probe found."""
     dist_info = tmp_path / "site" / f"deepspeed-{GIT_BUILD}.dist-info"
     dist_info.mkdir(parents=True)
     (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {GIT_BUILD}\n")
@@ -311,7 +313,8 @@ def test_a_deepspeed_build_labelled_0_19_3_is_decided_by_the_probe_for_the_fix(t
         assert finding["installed"] == GIT_BUILD, finding
         if DEEPSPEED_FIXED:
             assert (finding["state"], finding["verdict"]) == ("skipped", "not affected"), finding
-            assert "this build has upstream's fix" in finding["detail"] and fix in finding["detail"], finding
+            assert f"deepspeed {GIT_BUILD} carries the fix" in finding["detail"], finding
+            assert fix in finding["detail"] or "its own hook classes" in finding["detail"], finding
         else:
             assert (finding["state"], finding["verdict"]) == ("applied", "fixed"), finding
-            assert "this build between releases lacks upstream's fix" in finding["detail"], finding
+            assert f"but deepspeed {GIT_BUILD} has the bug" in finding["detail"], finding

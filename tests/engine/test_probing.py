@@ -6,15 +6,27 @@ import importlib
 import json
 import logging
 import random
-import sys
 import warnings
 
 import pytest
 
 import shim
-from shim import APPLIED, PENDING, SKIPPED, BugProbe, Evidence, Patch, PatchError, Registry, ShimWarning, Target
-from shim import gating, probing, runtime
-from tests.engine.fakes import TARGET, finds, make_patch, state, tagging
+from shim import (
+    APPLIED,
+    PENDING,
+    SKIPPED,
+    BugProbe,
+    Evidence,
+    Patch,
+    PatchError,
+    Registry,
+    ShimWarning,
+    Target,
+    gating,
+    probing,
+    runtime,
+)
+from tests.engine.fakes import TARGET, finds, make_patch, tagging
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -95,7 +107,7 @@ def test_outside_the_gate_a_build_between_releases_is_decided_by_its_probe(fake_
     registry.activate()
     assert wrapped(pkg) is applies
     status = record(registry)
-    assert f"is outside <2.0" in status.reason
+    assert "is outside <2.0" in status.reason
     assert (status.state, status.decided_by) == ((APPLIED, "probe") if applies else (SKIPPED, "release"))
     assert ("but" in status.reason) is applies
 
@@ -135,7 +147,9 @@ def test_a_bad_shim_probe_warns_with_the_values_it_takes_and_asks_as_auto(fake_m
     pkg = built(fake_modules, monkeypatch, "1.2.1.dev0")
     monkeypatch.setenv("SHIM_PROBE", "sometimes")
     registry = Registry([make_patch(pkg, bug_probe=finds(False, "f"))])
-    with pytest.warns(ShimWarning, match="SHIM_PROBE='sometimes' is not valid; use one of auto, always, never; using auto"):
+    with pytest.warns(
+        ShimWarning, match="SHIM_PROBE='sometimes' is not valid; use one of auto, always, never; using auto"
+    ):
         registry.activate()
         importlib.import_module(f"{pkg}.target")
     assert not wrapped(pkg)
@@ -243,7 +257,9 @@ def test_inside_the_gate_the_release_decides_until_the_module_a_probe_needs_is_i
 
 def test_outside_the_gate_the_targets_wait_with_the_probe(fake_modules, monkeypatch):
     pkg = built(fake_modules, monkeypatch, "2.0.0+6a8f0e2", later="")
-    registry = Registry([make_patch(pkg, requires="<2.0", bug_probe=BugProbe(finds(True, "f"), needs=(f"{pkg}.later",)))])
+    registry = Registry(
+        [make_patch(pkg, requires="<2.0", bug_probe=BugProbe(finds(True, "f"), needs=(f"{pkg}.later",)))]
+    )
     registry.activate()
     assert not wrapped(pkg)
     assert record(registry).state == PENDING
@@ -275,7 +291,7 @@ def test_a_probe_sees_the_cpu_with_gradients_on_and_leaves_the_random_states_as_
         )
         torch.manual_seed(123), random.seed(123), numpy.random.seed(123)
         torch.rand(3), random.random(), numpy.random.rand()
-        warnings.warn("a probe's own warning")
+        warnings.warn("a probe's own warning", stacklevel=1)
         runtime.record("another-patch", "acted inside a probe")
         return Evidence(True, "seen")
 
@@ -304,7 +320,7 @@ def test_a_patch_declares_one_probe_per_library_of_its_targets(fake_modules):
     with pytest.raises(TypeError, match="ask must be a callable"):
         BugProbe("yes")
     with pytest.raises(TypeError, match="bug_probe= must be a shim.BugProbe or a callable"):
-        make_patch(pkg, bug_probe="yes").probes
+        make_patch(pkg, bug_probe="yes")
     assert make_patch(pkg, bug_probe=finds(True)).probe_for(pkg).library == ""
 
 

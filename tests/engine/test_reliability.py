@@ -21,10 +21,10 @@ import shim
 from shim import patches as catalogue
 from shim.patches._checkpointing_calls import enable
 from shim.patches._checkpointing_state import layer_state
-from tests.tinymodels import tiny_llama_config
 from shim.wrapping import find_shim_wrapper, patch_names_of
 from tests.conftest import ROOT, clean_environment
 from tests.patches.checkpointing_cases import quietly, tiny_llama
+from tests.tinymodels import tiny_llama_config
 from tests.zygote import Zygote
 
 ON_5_23 = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")

@@ -66,8 +66,11 @@ def test_on_a_dev_build_every_probe_finds_the_stock_bugs_and_decides():
             continue
         assert (state, decided_by) == ("applied", "probe"), (name, reason)
         assert "has the bug" in reason and "is a build between releases" in reason, (name, reason)
-        assert f"transformers {DEV_VERSIONS['transformers']}" in reason or "trl" in reason or "peft" in reason or (
-            "accelerate" in reason
+        assert (
+            f"transformers {DEV_VERSIONS['transformers']}" in reason
+            or "trl" in reason
+            or "peft" in reason
+            or ("accelerate" in reason)
         ), reason
 
 

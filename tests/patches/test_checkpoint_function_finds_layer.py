@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import runtime as effects
 from shim.checkpointing import LayerCheckpoint
-from tests.tinymodels import tiny_llama
+from tests import devices
 from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
@@ -26,7 +26,7 @@ from tests.steps import (
     trainable_grads,
     wrong_grads,
 )
-from tests import devices
+from tests.tinymodels import tiny_llama
 
 NAME = "checkpoint-function-finds-layer"
 from_5_23 = pytest.mark.skipif(

@@ -11,8 +11,8 @@ import transformers
 from packaging.version import Version
 
 import shim
-from tests.tinymodels import lora_config, tiny_llama
 from tests.patches.checkpointing_cases import TrainerRows, quietly
+from tests.tinymodels import lora_config, tiny_llama
 
 NAME = "checkpointing-args-aliases"
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,6 @@ import torch
 import transformers
 
 import shim
-from tests.tinymodels import tiny_llama_config
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import (
     TRANSFORMERS,
@@ -20,6 +19,7 @@ from tests.patches.checkpointing_cases import (
     supports,
     tiny_llama,
 )
+from tests.tinymodels import tiny_llama_config
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 CONFIGURED = {"use_reentrant": TRANSFORMERS.major >= 5}

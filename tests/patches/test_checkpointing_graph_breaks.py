@@ -26,7 +26,9 @@ import transformers
 from packaging.version import Version
 
 import shim
-from tests.tinymodels import frozen_input_llama, tiny_llama
+from tests import devices
+from tests.do_no_harm.workflows.compiled import COMPILED_GRADIENTS
+from tests.do_no_harm.workflows.user_functions import graph_break_in_every_layer
 from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
@@ -34,9 +36,7 @@ from tests.steps import (
     trainable_grads,
     wrong_grads,
 )
-from tests import devices
-from tests.do_no_harm.workflows.compiled import COMPILED_GRADIENTS
-from tests.do_no_harm.workflows.user_functions import graph_break_in_every_layer
+from tests.tinymodels import frozen_input_llama, tiny_llama
 
 OPT_IN = devices.opt_in()
 FULL = "full" in OPT_IN

@@ -54,7 +54,7 @@ from transformers.models.llama import modeling_llama
 
 import shim
 import shim.patches
-from tests.tinymodels import frozen_input_llama, tiny_llama
+from tests.conftest import run_python
 from tests.steps import (
     enable_checkpointing,
     keyword_driven_grads,
@@ -62,7 +62,7 @@ from tests.steps import (
     trainable_grads,
     wrong_grads,
 )
-from tests.conftest import run_python
+from tests.tinymodels import frozen_input_llama, tiny_llama
 
 TRANSFORMERS = Version(transformers.__version__)
 REPLACED_FORWARD = "replaced-forward-keeps-checkpointing"

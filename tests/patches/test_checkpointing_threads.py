@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shim
-from tests.tinymodels import tiny_llama, tiny_llama_config
 from tests.steps import enable_checkpointing
+from tests.tinymodels import tiny_llama, tiny_llama_config
 
 TIMEOUT = 60  # seconds for the two threads together; each test takes a few
 

@@ -19,10 +19,10 @@ from shim import runtime as effects
 from shim.patches._checkpointing_calls import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
 from shim.tools.targets import quiet_transformers
-from tests.tinymodels import tiny_qwen2_vl, vision_tower
 from shim.wrapping import find_shim_wrapper
 from tests import devices
 from tests.patches.checkpointing_cases import TRANSFORMERS
+from tests.tinymodels import tiny_qwen2_vl, vision_tower
 
 NAME = "frozen-tower-input-grads"
 DEDUPE = "input-grad-hook-dedupe"  # stacked on the same method

@@ -14,8 +14,8 @@ import pytest
 from packaging.version import Version
 
 import shim
-from tests import steps as tinysteps
 from tests import devices
+from tests import steps as tinysteps
 from tests import tinymodels as testmodels
 from tests.conftest import run_python
 from tests.probes import bug_found

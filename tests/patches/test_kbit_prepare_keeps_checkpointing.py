@@ -18,8 +18,8 @@ from tests import steps
 from tests import tinymodels as models
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import configure, describe, layer_flags, quietly, supports
-from tests.tinymodels import causal_lm_grads
 from tests.probes import bug_found
+from tests.tinymodels import causal_lm_grads
 
 peft = pytest.importorskip("peft")
 torch = pytest.importorskip("torch")

@@ -15,8 +15,8 @@ from packaging.version import Version
 import shim
 from shim.patches.load_keeps_requires_grad import requires_grad_map
 from shim.tools.targets import quiet_transformers
-from tests.tinymodels import frozen_llama_class, tiny_llama_config
 from tests.patches.checkpointing_cases import TRANSFORMERS
+from tests.tinymodels import frozen_llama_class, tiny_llama_config
 
 NAME = "load-keeps-requires-grad"
 pytestmark = pytest.mark.skipif(

@@ -16,9 +16,9 @@ import pytest
 from packaging.version import Version
 
 import shim
-from tests.probes import bug_found
 from shim import runtime as effects
 from shim.tools.targets import quiet_transformers
+from tests.probes import bug_found
 from tests.tinymodels import lora_config, tiny_llama_config
 
 peft = pytest.importorskip("peft")

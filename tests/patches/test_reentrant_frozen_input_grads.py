@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import runtime as effects
 from shim.checkpointing import is_reentrant
-from tests.tinymodels import frozen_input_llama
-from tests.steps import enable_checkpointing, trainable_grads, wrong_grads
 from shim.wrapping import find_shim_wrapper
+from tests.steps import enable_checkpointing, trainable_grads, wrong_grads
+from tests.tinymodels import frozen_input_llama
 
 
 def checkpointing_layers(model) -> list:

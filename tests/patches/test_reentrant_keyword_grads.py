@@ -22,11 +22,11 @@ from shim import runtime
 from shim.checkpointing import LayerCheckpoint, is_reentrant, probe, wants_grad
 from shim.patches._checkpointing_state import same_function
 from shim.tools.targets import quiet_transformers
-from tests.tinymodels import tiny_llama_config
-from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
 from tests.conftest import run_python
 from tests.patches.checkpointing_cases import quietly
 from tests.patches.checkpointing_cases import tiny_llama as stock_tiny_llama
+from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
+from tests.tinymodels import tiny_llama_config
 
 NAME = "reentrant-keyword-grads"
 # Upstream, on this target: the patch and the one stacked with it (which acts when no input

@@ -20,8 +20,8 @@ from transformers.models.llama import modeling_llama
 
 import shim
 from shim import runtime as effects
-from tests.tinymodels import replaced_forward_llama, tiny_llama, tiny_llama_config
 from tests.steps import checkpointed_layer_calls, enable_checkpointing, trainable_grads, wrong_grads
+from tests.tinymodels import replaced_forward_llama, tiny_llama, tiny_llama_config
 
 NAME = "replaced-forward-keeps-checkpointing"
 pytestmark = pytest.mark.skipif(

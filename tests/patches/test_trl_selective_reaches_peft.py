@@ -10,10 +10,9 @@ import transformers
 
 import shim
 from shim.tools.targets import quiet_transformers
-from tests.tinymodels import lora_config, tiny_llama
-from tests.steps import wrong_grads
-from tests.tinymodels import sft_inputs
 from tests.probes import bug_found
+from tests.steps import wrong_grads
+from tests.tinymodels import lora_config, sft_inputs, tiny_llama
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")

@@ -196,7 +196,7 @@ def test_the_pack_guide_holds_the_example_pack_to_copy_verbatim():
         assert f"```{'toml' if path.endswith('.toml') else 'python'}\n{text}\n```" in guide, path
     fixes = (pack / "src" / "shim_example_pack" / "fixes.py").read_text()
     assert 'distribution="transformers"' in fixes and "shim-example-pack" not in fixes.split("PATCH = ", 1)[1]
-    for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "self-check", "new-pack"):
+    for said in ("check error", "doctor exits 1", "shim.disabled(<name>)", "record_effect", "bug probe", "new-pack"):
         assert said in guide, said
 
 

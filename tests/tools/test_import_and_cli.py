@@ -128,7 +128,9 @@ def test_doctor_flags_a_patch_that_does_not_fix_its_bug(fake_modules):
 
     registry = Registry(
         [
-            Patch("broken", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(module.f() == 1)),
+            Patch(
+                "broken", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(module.f() == 1)
+            ),
             Patch("fine", "s", pkg, ">=1", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(False)),
             Patch("not-needed", "s", pkg, ">=9", (Target(f"{pkg}.target:f", no_op),), bug_probe=lambda: found(False)),
         ]

@@ -118,3 +118,37 @@ def test_the_effects_column_shows_once_a_patch_has_acted():
     table = status_table(acted).splitlines()
     assert table[0].split() == ["patch", "state", "installed", "effects"]
     assert table[2].split()[-1] == "3"
+
+
+def test_a_build_the_shim_was_not_measured_on_will_probe_and_a_patch_that_steps_aside_is_counted(
+    fake_modules, monkeypatch
+):
+    """A dev build: a pending patch's state says its bug probe decides at the import; once decided, the
+    patch whose probe found no bug is counted apart in the summary, and doctor calls it fixed upstream."""
+    import importlib
+
+    from shim.tools import doctor
+    from tests.engine.fakes import finds
+
+    pkg = fake_modules(target="def f():\n    return 1\n")
+    monkeypatch.setattr(importlib.import_module(pkg), "__version__", "1.3.0.dev0")
+    registry = Registry(
+        [
+            make_patch(pkg, name="has-the-bug", bug_probe=finds(True)),
+            make_patch(pkg, name="fixed", bug_probe=finds(False)),
+        ]
+    )
+    registry.activate()
+    seen = outlook.outlooks(registry.status(), registry)
+    assert {name: found.state for name, found in seen.items()} == {"has-the-bug": "will probe", "fixed": "will probe"}
+    assert f"its bug probe decides at the import: {pkg} 1.3.0.dev0 is a build between releases" in seen["fixed"].reason
+    importlib.import_module(f"{pkg}.target")
+    records = registry.status()
+    seen = outlook.outlooks(records, registry)
+    assert (seen["fixed"].kind, seen["has-the-bug"].kind) == (outlook.FIXED_UPSTREAM, outlook.APPLIES)
+    assert outlook.summary(records, seen) == (
+        "1 of 2 patches applies to the installed releases; "
+        "1 fixed upstream (its bug probe found the fix: it steps aside): fixed"
+    )
+    verdicts = {finding.name: finding.verdict for finding in doctor.run(registry)}
+    assert verdicts == {"fixed": doctor.FIXED_UPSTREAM, "has-the-bug": doctor.NOT_FIXED}  # its wrapper fixes nothing

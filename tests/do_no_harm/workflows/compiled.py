@@ -47,9 +47,8 @@ import transformers
 from packaging.version import Version
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from tests import tinymodels
+from tests import devices, tinymodels
 from tests import steps as tinysteps
-from tests import devices
 from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import DEVICE, digest, grads, input_ids, quiet, run_cases, user_functions, weights
 

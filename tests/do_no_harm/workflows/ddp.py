@@ -23,9 +23,8 @@ import time
 import torch
 
 import shim  # noqa: F401  (as a training script starts; SHIM_DISABLE=all makes it the run without)
-from tests import tinymodels
+from tests import devices, tinymodels
 from tests import steps as tinysteps
-from tests import devices
 from tests import tinymodels as testmodels
 from tests.do_no_harm.workflows import MARK, digest, error_of, input_ids, quiet, weights
 

@@ -88,7 +88,9 @@ def _bug_probe() -> Evidence:
         torch.utils.checkpoint.checkpoint, use_reentrant=False, preserve_rng_state=False
     )
     if not torch.allclose(gradient(layer), reference):
-        return Evidence(True, "a layer that drops out, checkpointed with preserve_rng_state=False, gets other gradients")
+        return Evidence(
+            True, "a layer that drops out, checkpointed with preserve_rng_state=False, gets other gradients"
+        )
     return Evidence(False, "a layer that drops out gets the same gradients checkpointed with preserve_rng_state=False")
 
 
