@@ -67,7 +67,7 @@ def test_a_replaced_forward_checkpoints_again_and_still_runs(how, device):
     assert wrong_grads(reference, checkpointed, **tolerance) == []
     assert effects.count(NAME) == before + 1, "one class wrapped again, once"
     # who replaced it, by its own code (not the names functools.wraps or wrapt copy from transformers')
-    by = "shim.selfcheck.models:replaced_forward_llama.<locals>.<lambda>"
+    by = "tests.tinymodels:replaced_forward_llama.<locals>.<lambda>"
     assert f"LlamaDecoderLayer.forward was replaced by {by} (" in effects.last(NAME)
 
 
