@@ -93,34 +93,51 @@ def install(versions: dict, fixes: list[str] = ()) -> None:
 # -- the fixes, edited in --------------------------------------------------------------------------
 
 
-def _dedupe_input_hooks(modeling_utils) -> None:
-    """``enable_input_require_grads`` as 5.25 has it, removing the hooks the model still holds first."""
-    cls = modeling_utils.PreTrainedModel
+_INPUT_GRAD_FIXES: set = set()  # which of the two fixes the copy of enable_input_require_grads has
 
-    def enable_input_require_grads(self):
-        for handle in getattr(self, "_require_grads_hooks", None) or ():  # the fix: the old hooks go
-            handle.remove()
 
-        def make_inputs_require_grads(module, input, output):
-            output.requires_grad_(True)
+def _input_grads(fix: str):
+    """``enable_input_require_grads`` as 5.25 has it, with ``fix`` edited in: ``dedupe`` removes the hooks
+    the model still holds before adding new ones; ``frozen`` hooks no sub-model without a trainable
+    parameter."""
 
-        hooks, seen = [], set()
-        for module in self.modules():
-            if not (isinstance(module, cls) and hasattr(module, "get_input_embeddings")):
-                continue
-            try:
-                embeddings = module.get_input_embeddings()
-            except NotImplementedError:
-                continue
-            if embeddings is None or id(embeddings) in seen:
-                continue
-            seen.add(id(embeddings))
-            hooks.append(embeddings.register_forward_hook(make_inputs_require_grads))
-        self._require_grads_hooks = hooks
-        if hooks:
-            self._require_grads_hook = hooks[0]
+    def install(modeling_utils) -> None:
+        _INPUT_GRAD_FIXES.add(fix)
+        cls = modeling_utils.PreTrainedModel
+        if getattr(cls.enable_input_require_grads, "_devbuild", False):
+            return
 
-    cls.enable_input_require_grads = enable_input_require_grads
+        def enable_input_require_grads(self):
+            if "dedupe" in _INPUT_GRAD_FIXES:
+                for handle in getattr(self, "_require_grads_hooks", None) or ():
+                    handle.remove()
+
+            def make_inputs_require_grads(module, input, output):
+                output.requires_grad_(True)
+
+            hooks, seen = [], set()
+            for module in self.modules():
+                if not (isinstance(module, cls) and hasattr(module, "get_input_embeddings")):
+                    continue
+                if "frozen" in _INPUT_GRAD_FIXES and module is not self:
+                    if not any(parameter.requires_grad for parameter in module.parameters()):
+                        continue
+                try:
+                    embeddings = module.get_input_embeddings()
+                except NotImplementedError:
+                    continue
+                if embeddings is None or id(embeddings) in seen:
+                    continue
+                seen.add(id(embeddings))
+                hooks.append(embeddings.register_forward_hook(make_inputs_require_grads))
+            self._require_grads_hooks = hooks
+            if hooks:
+                self._require_grads_hook = hooks[0]
+
+        enable_input_require_grads._devbuild = True
+        cls.enable_input_require_grads = enable_input_require_grads
+
+    return install
 
 
 def _keeping_frozen(original, name_of):
@@ -308,9 +325,103 @@ def _selective_reaches_the_inner_model(selective) -> None:
     selective.enable_selective_activation_checkpointing = enable_selective_activation_checkpointing
 
 
+def _ddp_sees_checkpointing_inside(trainer) -> None:
+    """The DDP decision looks at the model's modules, wrapped or not: checkpointing anywhere in it
+    means ``find_unused_parameters=False`` (upstream asks only a ``PreTrainedModel``)."""
+    cls = trainer.Trainer
+    original = cls._build_accelerator_args
+
+    def _build_accelerator_args(self, **kwargs):
+        built = original(self, **kwargs)
+        model = getattr(self, "model", None)
+        checkpointing = bool(getattr(self.args, "activation_checkpointing", None)) or any(
+            getattr(module, "gradient_checkpointing", False) for module in getattr(model, "modules", tuple)()
+        )
+        if self.args.ddp_find_unused_parameters is None and checkpointing:
+            for handler in built.get("kwargs_handlers") or ():
+                if isinstance(handler, trainer.DistributedDataParallelKwargs):
+                    handler.find_unused_parameters = False
+        return built
+
+    cls._build_accelerator_args = _build_accelerator_args
+
+
+_LAYER_FIXES: set = set()  # which fixes the copy of GradientCheckpointingLayer's forward wrapper has
+
+
+def _layers(fix: str):
+    """``GradientCheckpointingLayer.__init_subclass__``'s forward wrapper as 5.25 has it (the cache
+    arguments left out), with ``fix`` edited in: ``finds-layer`` hands the checkpoint a partial of the
+    bound forward (``func.func.__self__`` is the layer); ``keyword-grads`` passes keyword tensors that
+    require grad as checkpoint inputs; ``frozen-inputs`` adds a zero-size input that requires grad where
+    none does and the layer has a trainable parameter; ``replaced-forward`` checkpoints whenever the
+    layer is not inside its own checkpoint, however its class's ``forward`` was replaced."""
+
+    def install(modeling_layers) -> None:
+        _LAYER_FIXES.add(fix)
+        base = modeling_layers.GradientCheckpointingLayer
+        if "_devbuild" in vars(base):
+            return
+        import threading
+
+        torch = sys.modules["torch"]
+        inside = threading.local()
+
+        def __init_subclass__(cls, **kwargs):
+            super(base, cls).__init_subclass__(**kwargs)
+            forward = cls.forward
+
+            @functools.wraps(forward)
+            def forward_with_checkpointing(self, *args, **kwargs):
+                if "replaced-forward" in _LAYER_FIXES:
+                    outermost = not getattr(inside, "layer", False)
+                else:
+                    outermost = type(self).forward is forward_with_checkpointing
+                if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled() and outermost):
+                    return forward(self, *args, **kwargs)
+                run = forward.__get__(self) if "finds-layer" in _LAYER_FIXES else functools.partial(forward, self)
+                lifted = []
+                if "keyword-grads" in _LAYER_FIXES:
+                    lifted = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+                extra = tuple(kwargs.pop(name) for name in lifted)
+                anchored = (
+                    "frozen-inputs" in _LAYER_FIXES
+                    and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *extra))
+                    and any(p.requires_grad for p in self.parameters())
+                )
+                count = len(args)
+                if lifted or anchored:  # a method of the layer still: the partial finds it (finds-layer)
+
+                    def run_inputs(layer, *inputs, _run=run, _kwargs=kwargs):
+                        return _run(*inputs[:count], **_kwargs, **dict(zip(lifted, inputs[count:])))
+
+                    target = functools.partial(types.MethodType(run_inputs, self))
+                else:
+                    target = functools.partial(run, **kwargs)
+                inputs = (*args, *extra, *((torch.zeros(0, requires_grad=True),) if anchored else ()))
+                inside.layer = True
+                try:
+                    return self._gradient_checkpointing_func(target, *inputs)
+                finally:
+                    inside.layer = False
+
+            cls.forward = forward_with_checkpointing
+
+        base.__init_subclass__ = classmethod(__init_subclass__)
+        base._devbuild = True
+
+    return install
+
+
 #: patch name -> the (module, fix) pairs that edit its fix into upstream.
 FIXES = {
-    "input-grad-hook-dedupe": [("transformers.modeling_utils", _dedupe_input_hooks)],
+    "input-grad-hook-dedupe": [("transformers.modeling_utils", _input_grads("dedupe"))],
+    "frozen-tower-input-grads": [("transformers.modeling_utils", _input_grads("frozen"))],
+    "ddp-find-unused-for-checkpointing": [("transformers.trainer", _ddp_sees_checkpointing_inside)],
+    "checkpoint-function-finds-layer": [("transformers.modeling_layers", _layers("finds-layer"))],
+    "reentrant-keyword-grads": [("transformers.modeling_layers", _layers("keyword-grads"))],
+    "reentrant-frozen-input-grads": [("transformers.modeling_layers", _layers("frozen-inputs"))],
+    "replaced-forward-keeps-checkpointing": [("transformers.modeling_layers", _layers("replaced-forward"))],
     "load-keeps-requires-grad": [
         ("transformers.core_model_loading", _loading_keeps_frozen),
         ("transformers.modeling_utils", _loading_keeps_frozen),
