@@ -87,7 +87,7 @@ class Entry:
     __slots__ = (
         "declared", "patch", "sequence", "state", "why", "final", "active", "choice", "suspended", "forced",
         "retake", "switch", "gate", "notes", "layers", "done_modules", "answers",
-        "waiting_probes",
+        "waiting_probes", "stepped_aside",
     )  # fmt: skip
 
     def __init__(self, declared: Declared, active: bool, sequence: int = 0) -> None:
@@ -112,6 +112,7 @@ class Entry:
         self.answers: dict[str, Answer] = {}
         # Probes due whose ``needs`` are not imported yet, by library, with why each is asked.
         self.waiting_probes: dict[str, tuple[BugProbe, str]] = {}
+        self.stepped_aside: set[str] = set()  # libraries where it left targets alone: their probe found no bug
 
     @property
     def name(self) -> str:
@@ -313,8 +314,6 @@ class Entry:
             return True, unloadable(exc)
         return (True, found.skip) if found.skip is not None else (False, found.versions.reason)
 
-    # -- the steps ------------------------------------------------------------------------------
-
     # -- the bug probes (shim.probing) ---------------------------------------------------------
 
     def _probe(self, now: list[str], ready: Callable[[str], bool], mode: str) -> tuple[list[str], list[str]]:
@@ -381,6 +380,7 @@ class Entry:
         for library, answer in self._aside().items():
             modules = {t.module for t in patch.targets if patch.library_of(t) == library}
             if self.layers.remove(modules):
+                self.stepped_aside.add(library)
                 note = f"steps aside: {answer.said(gating.installed_version(library))}"
                 if note not in self.notes:
                     self.notes.append(note)
@@ -392,6 +392,8 @@ class Entry:
 
         failed = [a.said(gating.installed_version(a.library)) for a in self.answers.values() if a.present is None]
         return "; ".join(failed) or None
+
+    # -- the steps ------------------------------------------------------------------------------
 
     def _wrap(self, module_names: list[str], late: str | None, strict: bool) -> tuple[State, str] | None:
         """Gate (with what the bug probes answered), resolve and wrap the targets in ``module_names``;
@@ -413,6 +415,7 @@ class Entry:
         if resolution.problem is not None:
             return (FAILED if resolution.problem.failed else SKIPPED), resolution.problem.why
         self.notes.extend(resolution.notes)
+        self.stepped_aside |= resolution.aside
         if self.layers is None:
             self.layers = Layers(patch.name)
         try:
@@ -469,6 +472,7 @@ class Entry:
         """Start over at the next target import: nothing applied, nothing noted."""
         self.done_modules.clear()
         self.notes.clear()
+        self.stepped_aside.clear()
 
     def _update_switch(self) -> None:
         in_place = self.layers is not None and self.layers.in_place

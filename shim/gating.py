@@ -250,27 +250,30 @@ class Resolution(NamedTuple):
     targets: list[Resolved]  # to wrap
     notes: list[str]  # targets left alone, for the status reason
     problem: Problem | None
+    aside: frozenset[str] = frozenset()  # the libraries where a target stepped aside: its probe found no bug
 
 
 def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, Answer]) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here;
-    ``aside``: the libraries whose bug probe found no bug (their targets are left alone)."""
+    ``aside``: the libraries whose bug probe found no bug (their targets, where their own requirement
+    admits the release, step aside)."""
     from . import assigning, wrapping
     from .layers import Resolved
 
-    resolved, notes = [], []
+    resolved, notes, stepped_aside = [], [], set()
     for target in patch.targets:
         if target.module not in module_names:
+            continue
+        requirement = target.requirement
+        if requirement is not None and not check_versions(requirement.name, requirement.specifier).admitted:
+            notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
         answer = aside.get(patch.library_of(target))
         if answer is not None:
             note = f"steps aside: {answer.said(installed_version(answer.library))}"
             if note not in notes:
                 notes.append(note)
-            continue
-        requirement = target.requirement
-        if requirement is not None and not check_versions(requirement.name, requirement.specifier).admitted:
-            notes.append(f"left alone: {target.path} (needs {target.requires})")
+            stepped_aside.add(answer.library)
             continue
         module = sys.modules[target.module]
         owner: object
@@ -286,7 +289,7 @@ def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: M
         if problem is not None:
             return Resolution([], notes, problem)
         resolved.append(Resolved(target, module, original))
-    return Resolution(resolved, notes, None)
+    return Resolution(resolved, notes, None, frozenset(stepped_aside))
 
 
 def _probe(patch: Patch, target: Target, original: object, gate_reason: str) -> Problem | None:

@@ -116,12 +116,13 @@ def status_of(entry: Entry) -> PatchStatus:
 
 
 def decided_by(entry: Entry) -> str:
-    """``"probe"`` where a bug probe's answer decided (the patch applies, or steps aside, on what it
-    found), ``"release"`` where the version gate did (outside the gate, a probe that found no bug
-    changes nothing), ``""`` while neither has (a pending patch, one switched off before)."""
+    """``"probe"`` where a bug probe's answer decided (it found the bug, or the patch stepped aside
+    on what it found), ``"release"`` where the version gate and the targets' requirements did (a
+    probe that found no bug where they leave the patch out anyway changes nothing), ``""`` while
+    neither has (a pending patch, one switched off before)."""
     if entry.gate is not None and entry.gate.skip is not None:
         return "release"
-    if any(answer.present is not None for answer in entry.answers.values()):
+    if entry.stepped_aside or any(answer.present for answer in entry.answers.values()):
         return "probe"
     if entry.gate is not None or entry.state is State.SKIPPED:
         return "release"
@@ -146,13 +147,12 @@ def refused_by_a_probe(entry: Entry) -> bool:
     shape probe that refused what it found there (another patcher's object, perhaps); not a patch
     that stepped aside because its bug probe found upstream's fix."""
     gate = entry.gate
-    stepped_aside = any(answer.present is False for answer in entry.answers.values())
     return (
         entry.final
         and entry.state in (State.SKIPPED, State.FAILED)
         and gate is not None
         and gate.skip is None
-        and not stepped_aside
+        and not entry.stepped_aside
     )
 
 

@@ -80,8 +80,8 @@ def outlook(record: PatchStatus, registry: Registry) -> Outlook:
             return Outlook(APPLIES, WILL_APPLY, reason)
         kind, why = missed
         return Outlook(kind, WILL_SKIP, f"no target of it is for the installed releases: {why}")
-    if record.decided_by == "probe":  # skipped where its release would apply: the probe found no bug
-        return Outlook(FIXED_UPSTREAM, state, reason)
+    if record.decided_by == "probe" and not any(answer["present"] for answer in record.probe or ()):
+        return Outlook(FIXED_UPSTREAM, state, reason)  # skipped where its release would apply: no bug found
     # Skipped: outside its gate, no target for these releases, or a reason of the import (code changed).
     if not check_versions(declared.distribution, specifier_set(declared.requires)).admitted:
         return Outlook(OUTSIDE, state, reason)

@@ -167,6 +167,7 @@ print(json.dumps(dict(
     once=[hf_logging.warning_once.cache_info().currsize, hf_logging.info_once.cache_info().currsize],
     random=[torch.rand(1).item(), random.random()],
     cuda_seeds_queued=len(getattr(torch.cuda, "_queued_calls", ())),  # torch.manual_seed queues one for CUDA
+    cuda_initialized=torch.cuda.is_initialized(),
     grad=torch.is_grad_enabled(),
     probes={s.name: s.probe for s in shim.status()},
     effects=sum(s.effects for s in shim.status()),
