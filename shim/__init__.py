@@ -38,7 +38,7 @@ import atexit
 import importlib
 import logging
 
-from . import catalogue, packs, settings
+from . import catalogue, forks, packs, settings
 from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, State
 from .registry import Registry
 from .runtime import record as record_effect
@@ -85,20 +85,23 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    with forks.lazy_imports:  # no child is forked in the middle of it
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 
 
 def _report_at_exit(table: bool) -> None:
-    from .tools.report import at_exit
+    with forks.lazy_imports:
+        from .tools.report import at_exit
 
     at_exit(table)
 
 
 def report() -> str:
     """The effects table: which patches changed something in this process, how often, the last what."""
-    from .tools.report import report as effects_table
+    with forks.lazy_imports:
+        from .tools.report import report as effects_table
 
     return effects_table(registry.status())
 
@@ -106,7 +109,8 @@ def report() -> str:
 def in_effect(model: object) -> object:
     """What the shim does on ``model`` now: how its modules checkpoint, which patches act on it and
     how, its adapters. Print it, or read ``.as_dict()``; it changes nothing on the model."""
-    from .tools.model_view import in_effect as view
+    with forks.lazy_imports:
+        from .tools.model_view import in_effect as view
 
     return view(model, registry)
 
@@ -114,7 +118,8 @@ def in_effect(model: object) -> object:
 def wrappers(target: object) -> list[tuple[str, object]]:
     """The shim's layers on ``target`` (an object, or a ``"module:Class.attribute"`` spec of a
     module already imported), outermost first, as ``(patch name, layer)``; ``[]`` when none."""
-    from .wrapping import wrappers_on  # wrapt waits for the first use
+    with forks.lazy_imports:
+        from .wrapping import wrappers_on  # wrapt waits for the first use
 
     return wrappers_on(target)
 
