@@ -19,7 +19,9 @@ worker that ends after that finds the folder claimed, takes its file back and sa
 marked as late, so no count is lost or said twice.
 
 What cannot be counted: a worker killed by a signal (``Pool.terminate()``, which leaving a ``with
-Pool()`` block calls, kills the workers still waiting for a task; ``Process.terminate()``), and a
+Pool()`` block calls, kills the workers still waiting for a task; ``Process.terminate()``; the daemonic
+workers ``multiprocessing`` terminates at its exit, such as a DataLoader's with
+``persistent_workers=True`` still alive then), and a
 worker of ``multiprocess`` (the dill-based copy ``datasets`` uses), which has a config of its own:
 its fork workers end by ``os._exit`` and say nothing; its spawn workers say their own lines.
 """
@@ -83,9 +85,21 @@ def collect() -> list[dict[str, Any]]:
             taken.unlink()
         except (OSError, ValueError):
             continue
-    if not running:
-        ranks.remove(folder)  # none can come late; else a later job removes it (ranks.STALE)
+    if running:
+        _remove_once_joined(folder)
+    else:
+        ranks.remove(folder)  # none can come late
     return sorted(records, key=lambda record: int(record["pid"]))
+
+
+def _remove_once_joined(folder: Path) -> None:
+    """Remove ``folder`` once ``multiprocessing``'s own exit function has joined this process's
+    workers (it runs after this report where ``multiprocessing`` was imported before the shim); a
+    folder left all the same (a worker killed, a process killed) is removed by a later job
+    (``ranks.STALE``)."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None and not getattr(util, "_exiting", False):
+        util.Finalize(None, ranks.remove, args=(folder,), exitpriority=-1000)
 
 
 def merged(effects: dict[str, int], last: dict[str, str], records: list[dict[str, Any]]) -> None:

@@ -102,6 +102,33 @@ def test_nothing_is_said_by_anyone_with_shim_report_0(tmp_path):
     assert run(tmp_path, "fork", "process", env={"SHIM_REPORT": "0"}).stderr == ""
 
 
+DATALOADER = """
+import torch
+import shim
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        shim.record_effect("checkpointing-restore", "restored in a DataLoader worker")
+        return torch.tensor(i)
+
+loader = torch.utils.data.DataLoader(Data(), num_workers=2, multiprocessing_context="fork")
+for epoch in range(2):  # each epoch's workers end when it does
+    assert sum(int(x) for x in loader) == 28
+"""
+
+
+def test_what_dataloader_workers_changed_is_in_the_training_process_line():
+    done = zygote().run(DATALOADER, 120)
+    assert done.returncode == 0, done.stderr
+    assert lines(done) == [
+        "hf-train-shim (pid {pid}, no target module imported, and 4 workers): 1 fix acted: checkpointing-restore ×16 "
+        "(SHIM_REPORT=1 for the table)".format(pid=re.search(r"pid (\d+)", done.stderr).group(1))
+    ]
+
+
 LATE = """
 import multiprocessing, multiprocessing.util, time  # before the shim: its exit function runs after the report
 import shim
