@@ -28,7 +28,6 @@ from shim.selfcheck import bare
 from ._modules import first_trainable
 
 NAME = "frozen-tower-input-grads"
-_PreTrainedModel = None  # bound on first use: the patch module must not import transformers at import time
 # model -> (a weak reference to) its own input embeddings, as last found: an enable of a model whose
 # hooks all sit there (a text-only model) is answered without asking the model again. Weak both ways.
 _own_embeddings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -77,14 +76,25 @@ def _input_embeddings(model):
         return None
 
 
+def _pretrained_base(model):
+    """The ``PreTrainedModel`` class ``model``'s class derives from, which its sub-models' classes
+    derive from too: read from the model, not imported, since a reload of
+    ``transformers.modeling_utils`` makes a new one and the models built before keep the old."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils":
+            return cls
+    return None
+
+
 def _sub_models_by_hooks(model) -> dict:
     """``{id(embeddings._forward_hooks): sub-model}`` for each sub-model of ``model`` whose input
     embeddings differ from the model's own; the first sub-model found owns shared embeddings, as in
     upstream's walk."""
     own = _input_embeddings(model)
     owners: dict = {}
-    for module in model.modules():
-        if module is model or not isinstance(module, _PreTrainedModel):
+    base = _pretrained_base(model)
+    for module in model.modules() if base is not None else ():
+        if module is model or not isinstance(module, base):
             continue
         embeddings = _input_embeddings(module)
         if embeddings is None or embeddings is own or not hasattr(embeddings, "_forward_hooks"):
@@ -111,11 +121,6 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
     own_hooks = getattr(own, "_forward_hooks", None)
     if all(hooks is own_hooks for _handle, hooks in hooked):  # a text-only model: nothing to walk
         return result
-    global _PreTrainedModel
-    if _PreTrainedModel is None:
-        from transformers.modeling_utils import PreTrainedModel
-
-        _PreTrainedModel = PreTrainedModel
     owners = _sub_models_by_hooks(instance)
     switch = switch_of(NAME)
     for handle, hooks in hooked:

@@ -12,15 +12,25 @@
 #   bash scripts/device-check.sh --fetch [WHEEL_DIR]    here, with a package registry: download the wheels
 #                                                       (Python 3.12, x86-64) a CUDA machine without internet
 #                                                       lacks, at the default cell's pins (WHEEL_DIR: .whl)
+# A relative REPORT_DIR, WHEEL_DIR or WHEELS is taken from the folder the script is started in.
 # Environment:
-#   PYTHON       the interpreter holding torch (python3; --smoke: .venv/bin/python)
+#   PYTHON       the interpreter holding torch (python3; --smoke: .venv/bin/python, which
+#                scripts/setup.sh makes: without it --smoke says so and exits 2)
 #   WHEELS       a folder of wheels installed before the shim, without an index (.whl; none when absent)
 #   DEVICE_VENV  where the check's environment is built (a temporary folder)
 #
 # It never changes PYTHON's environment: it builds one of its own that sees PYTHON's packages (torch
 # with CUDA) behind its own (the wheels, the shim installed editable, as scripts/setup.sh does).
 set -uo pipefail
+caller=$(pwd)  # a relative folder given on the command line, or in WHEELS, is the caller's
 cd "$(dirname "$0")/.."
+
+given() {  # given PATH: PATH as the caller meant it, relative to the folder the script was started in
+    case "$1" in
+    /*) echo "$1" ;;
+    *) echo "$caller/$1" ;;
+    esac
+}
 
 #: What the CUDA image lacks or holds at another release than the default cell (per the device
 #: machine's package list): their pins are read from constraints/default.txt. About 28 MB of wheels;
@@ -43,7 +53,8 @@ pin_of() {  # pin_of NAME: NAME==VERSION from constraints/default.txt (names com
 }
 
 if [ "${1:-}" = "--fetch" ]; then
-    folder=${2:-.whl}
+    folder=.whl
+    [ -n "${2:-}" ] && folder=$(given "$2")
     mkdir -p "$folder"
     pins=()
     for name in "${DEVICE_WHEELS[@]}"; do
@@ -63,8 +74,14 @@ mode=device
 if [ "${1:-}" = "--smoke" ]; then
     mode=smoke
     shift
+    if [ -z "${PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then  # a clean clone: nothing to run it on yet
+        echo "device-check: --smoke runs on .venv/bin/python, which is not there: run bash scripts/setup.sh" \
+            "first (or set PYTHON to an interpreter that has torch)" >&2
+        exit 2
+    fi
 fi
-report=${1:-device-report}
+report=device-report
+[ -n "${1:-}" ] && report=$(given "$1")
 mkdir -p "$report"
 report=$(cd "$report" && pwd)
 root=$(pwd)
@@ -79,7 +96,8 @@ else
     tests=(tests -n 4 --dist load)  # every test marked on_device, one file's tests on several workers
     bench=()
 fi
-wheels=${WHEELS:-.whl}
+wheels=.whl
+[ -n "${WHEELS:-}" ] && wheels=$(given "$WHEELS")
 if [ -n "${DEVICE_VENV:-}" ]; then
     venv=$DEVICE_VENV
 else

@@ -38,8 +38,12 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import os
+import sys
+import time
+from types import ModuleType
 
-from . import catalogue, packs, settings
+from . import catalogue, forks, importhooks, packs, runtime, settings
 from .entry import APPLIED, DISABLED, FAILED, PENDING, SKIPPED, State
 from .registry import Registry
 from .runtime import record as record_effect
@@ -96,20 +100,48 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    with forks.lazy_imports:  # no child is forked in the middle of it
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 
 
 def _report_at_exit(table: bool) -> None:
-    from .tools.report import at_exit
+    with forks.lazy_imports:
+        from .tools.report import at_exit
 
     at_exit(table)
 
 
+#: The key, in ``multiprocessing``'s per-process config, of the process whose exit report says the
+#: counts of the workers it starts (``shim.tools.workers``): each process it starts gets a copy.
+_WORKERS_KEY = "hf-train-shim exit report"
+_handing_over_in = 0  # the pid of the worker whose end hands its counts over (a fork child starts over)
+
+
+def _workers_report_here(process: ModuleType) -> None:
+    """Once ``multiprocessing.process`` is imported: the workers this process starts hand their
+    counts to its exit report (a worker's own copy of the config names its starter's key)."""
+    process.current_process()._config.setdefault(_WORKERS_KEY, f"{os.getpid()}-{time.time_ns()}")
+
+
+def _hand_over_at_worker_end() -> None:
+    """At a ``multiprocessing`` worker's first effect: its report runs when multiprocessing ends it,
+    where a ``fork`` worker ends by ``os._exit`` without ``atexit`` (``shim.tools.workers``)."""
+    global _handing_over_in
+    process = sys.modules.get("multiprocessing.process")
+    if _handing_over_in == os.getpid() or process is None or process.parent_process() is None:
+        return
+    _handing_over_in = os.getpid()
+    from multiprocessing.util import Finalize
+
+    Finalize(None, _report_at_exit, args=(_report is True,), exitpriority=-100)  # after it joined its own
+
+
 def report() -> str:
     """The effects table: which patches changed something in this process, how often, the last what."""
-    from .tools.report import report as effects_table
+    with forks.lazy_imports:
+        from .tools.report import report as effects_table
 
     return effects_table(registry.status())
 
@@ -117,7 +149,8 @@ def report() -> str:
 def in_effect(model: object) -> object:
     """What the shim does on ``model`` now: how its modules checkpoint, which patches act on it and
     how, its adapters. Print it, or read ``.as_dict()``; it changes nothing on the model."""
-    from .tools.model_view import in_effect as view
+    with forks.lazy_imports:
+        from .tools.model_view import in_effect as view
 
     return view(model, registry)
 
@@ -125,7 +158,8 @@ def in_effect(model: object) -> object:
 def wrappers(target: object) -> list[tuple[str, object]]:
     """The shim's layers on ``target`` (an object, or a ``"module:Class.attribute"`` spec of a
     module already imported), outermost first, as ``(patch name, layer)``; ``[]`` when none."""
-    from .wrapping import wrappers_on  # wrapt waits for the first use
+    with forks.lazy_imports:
+        from .wrapping import wrappers_on  # wrapt waits for the first use
 
     return wrappers_on(target)
 
@@ -152,6 +186,8 @@ notice_others = registry.notice_others
 _report = settings.switch("SHIM_REPORT", default="one line at exit where a fix acted")
 if _report is not False:
     atexit.register(_report_at_exit, _report is True)
+    importhooks.when_imported("multiprocessing.process", _workers_report_here)
+    runtime.first_effect_hooks.append(_hand_over_at_worker_end)
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
 # after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit

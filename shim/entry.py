@@ -414,7 +414,7 @@ class Entry:
         resolution = gating.resolve_targets(patch, module_names, self.gate, self._aside())
         if resolution.problem is not None:
             return (FAILED if resolution.problem.failed else SKIPPED), resolution.problem.why
-        self.notes.extend(resolution.notes)
+        self.notes.extend(note for note in resolution.notes if note not in self.notes)  # a reload resolves again
         self.stepped_aside |= resolution.aside
         if self.layers is None:
             self.layers = Layers(patch.name)

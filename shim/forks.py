@@ -26,8 +26,15 @@ FORK_WAIT = 5.0
 
 _guard = threading.Lock()  # protects the two collections below
 _outer: weakref.WeakSet[Any] = weakref.WeakSet()  # registries' locks (one per registry)
-_inner: list[Any] = []  # module-level locks (import hooks, effects ledger), in creation order
+_inner: list[Any] = []  # module-level locks (lazy imports, import hooks, effects ledger), in creation order
 _taken: list[Any] = []  # what the forking thread holds between "before" and "after"
+
+
+#: Held while the shim imports one of its own modules on first use, outside a registry's lock (a
+#: status's records, the front door's tools): a child forked while another thread is inside such an
+#: import would wait for Python's lock on that module forever. The forking thread takes it too.
+lazy_imports = threading.RLock()
+_inner.append(lazy_imports)
 
 
 def fork_safe_rlock() -> threading.RLock:

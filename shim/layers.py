@@ -173,21 +173,30 @@ class Layers:
 
 def upstream_again(layer: Layer) -> bool:
     """Whether ``layer``'s target holds upstream's own object again, written in the target's package
-    (``importlib.reload`` made new ones), not another patcher's."""
+    (``importlib.reload`` made new ones), not another patcher's.
+
+    A class made again in the target's package is a reload, whatever its attribute holds now: an
+    inherited method (torch's ``nn.Module.__setstate__``), nothing (an assign target), or the layer
+    another patch of this shim put there first when the same reload fired its hook."""
     module = sys.modules.get(layer.module_name)
     if module is None:
         return False
+    package = layer.module_name.partition(".")[0]
     owner_path = layer.path.rpartition(".")[0]
-    try:
-        current = wrapping.object_at(module, layer.path)
-    except wrapping.PathResolutionError:  # an assign target, not set on the new class: its class says
-        if not owner_path:
-            return False
+    if owner_path:
         try:
-            current = wrapping.object_at(module, owner_path)
+            owner = wrapping.object_at(module, owner_path)
         except wrapping.PathResolutionError:
             return False
-    return _written_in(current, layer.module_name.partition(".")[0])
+        if owner is not layer.owner():
+            return isinstance(owner, type) and _written_in(owner, package)
+    try:
+        current = wrapping.object_at(module, layer.path)
+    except wrapping.PathResolutionError:
+        return False
+    if wrapping.parts_of(current) is not None:  # the shim's own layer, put on the new object by another patch
+        current = getattr(current, "__wrapped__", None)
+    return _written_in(current, package)
 
 
 def _written_in(obj: object, package: str) -> bool:

@@ -161,7 +161,8 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         """One record per patch: its state and why, its versions, and what it changed so far."""
-        from .records import status_of
+        with forks.lazy_imports:
+            from .records import status_of
 
         try:  # a target module imported past the shim's hook is patched now, and says so
             importhooks.sweep("shim.status()")

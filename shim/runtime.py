@@ -8,13 +8,16 @@ passes a call through, so counting costs nothing there. The first effect of each
 once at INFO on the ``shim`` logger; every effect is counted and the last one described in
 ``shim.status()`` (``effects``, ``last_effect``) and in ``shim.report()``.
 
-The ledger is per process and keyed by patch name, so it survives a reload of ``shim``.
+The ledger is per process and keyed by patch name, so it survives a reload of ``shim``. A child
+made by ``os.fork()`` starts it over: it counts what changes in it, which a multiprocessing worker
+hands to its parent's exit report (``shim.tools.workers``), where the parent's own are counted once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -25,6 +28,9 @@ _lock = fork_safe_lock()
 _counts: dict[str, int] = {}
 _last: dict[str, tuple[str, tuple[object, ...]]] = {}
 _muted = threading.local()  # depth of muted() blocks in this thread: a bug probe running (shim.probing)
+#: Told of each patch's first effect in this process (the front door: a multiprocessing worker, which
+#: may end by ``os._exit`` without running ``atexit``, then arranges to hand its counts over at its end).
+first_effect_hooks: list[Callable[[], object]] = []
 
 
 class Switch:
@@ -82,6 +88,11 @@ def record(patch: str, message: str, *args: object) -> None:
         _last[patch] = (message, args)
     if count == 1:
         log.info("%s: %s (first effect in this process; shim.status() counts the others)", patch, message % args)
+        for hook in first_effect_hooks:
+            try:
+                hook()
+            except Exception:  # the exit report's business must never cost the user's training
+                log.debug("a hook of the first effect failed", exc_info=True)
 
 
 @contextlib.contextmanager
@@ -112,3 +123,7 @@ def clear() -> None:
     with _lock:
         _counts.clear()
         _last.clear()
+
+
+if hasattr(os, "register_at_fork"):  # a child counts what changes in it (the locks are reset by shim.forks)
+    os.register_at_fork(after_in_child=clear)

@@ -17,6 +17,7 @@ import functools
 import importlib
 import inspect
 import sys
+import types
 from typing import Any
 
 import wrapt
@@ -232,17 +233,93 @@ def is_dispatch(obj: object) -> bool:
 
 
 def holds(outer: object, inner: object) -> bool:
-    """Whether ``outer`` holds ``inner`` where a hand-written wrapper keeps what it calls: a closure
-    cell or a default argument, of ``outer`` or of what it wraps (``contextlib.contextmanager``
-    keeps the generator function, which keeps ``inner``)."""
-    for entry in wrapt.wrapper_chain(outer):
-        function = getattr(entry, "__func__", entry)
-        held = list(getattr(function, "__defaults__", None) or ())
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                held.append(cell.cell_contents)
-            except ValueError:  # a cell not filled yet
-                pass
-        if any(value is inner or getattr(value, "__func__", None) is inner for value in held):
+    """Whether a call of ``outer`` can reach ``inner`` through what it keeps: a closure cell, a default
+    argument, a module global or a class attribute its code names, the function and arguments of a
+    ``functools.partial``, what it wraps (``__wrapped__``: ``contextlib.contextmanager`` keeps the
+    generator function, which keeps ``inner``), a bound method's function and instance; looked
+    through :data:`_REACH` levels of such holders. Read, never called: a replacement that keeps the
+    shim's layer and calls it runs the fix."""
+    seen: set[int] = set()
+    level = [outer]
+    for _ in range(_REACH + 1):
+        if any(value is inner or _function_of(value) is inner for value in level):
             return True
+        found = []
+        for value in level:
+            if id(value) not in seen:
+                seen.add(id(value))
+                found += _kept_by(value)
+        level = found
     return False
+
+
+#: How many holders deep :func:`holds` looks (a replacement, the class its code names, the partial
+#: in that class's attribute, the function the partial holds, ...).
+_REACH = 5
+_NOTHING = object()
+
+
+def _static(obj: object, name: str) -> Any:
+    """``obj.name`` as stored, or :data:`_NOTHING`: no property, no module ``__getattr__`` runs (a
+    lazy module would import on it)."""
+    try:
+        return inspect.getattr_static(obj, name, _NOTHING)
+    except Exception:  # an object whose class or dict cannot be read
+        return _NOTHING
+
+
+def _function_of(value: object) -> Any:
+    """The function a bound method runs (the shim's layer, for a method bound through it)."""
+    if isinstance(value, types.MethodType):
+        return value.__func__
+    if isinstance(value, wrapt.BoundFunctionWrapper):
+        return value._self_parent
+    return None
+
+
+def _kept_by(value: object) -> list[object]:
+    """What ``value`` keeps that a call of it may call (:func:`holds`)."""
+    if isinstance(value, (functools.partial, functools.partialmethod)):
+        return [value.func, *value.args, *value.keywords.values()]
+    if isinstance(value, (staticmethod, classmethod)):
+        return [value.__func__]
+    if isinstance(value, wrapt.ObjectProxy):  # a wrapt wrapper: what it wraps, and its wrapper function
+        return [value.__wrapped__, _static(value, "_self_wrapper")]
+    kept: list[object] = []
+    if isinstance(value, types.FunctionType) and (wrapped := _static(value, "__wrapped__")) is not _NOTHING:
+        kept.append(wrapped)  # functools.wraps
+    function: object = value
+    holder: object = None
+    if isinstance(value, types.MethodType):
+        function, holder = value.__func__, value.__self__
+    elif not isinstance(value, types.FunctionType):  # an instance that is called: its class's __call__
+        function, holder = _static(type(value), "__call__"), value
+    if not isinstance(function, types.FunctionType):
+        return kept
+    kept += [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
+    kept += [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
+    names = _names(function.__code__)
+    named = [found for name in names if (found := function.__globals__.get(name, _NOTHING)) is not _NOTHING]
+    owners: list[object] = [owner for owner in named if isinstance(owner, (type, types.ModuleType))]
+    if holder is not None:  # self.original, type(self).original
+        owners.append(holder)
+    kept += named
+    kept += [found for owner in owners for name in names if (found := _static(owner, name)) is not _NOTHING]
+    return kept
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` reads, its nested functions' included."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names(constant)
+    return names
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return False
+    return True

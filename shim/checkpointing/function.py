@@ -180,7 +180,18 @@ def layer_of(function: functools.partial[Any]) -> Any:
     owner = getattr(function.func, "__self__", None)
     if owner is None and function.args:
         owner = function.args[0]
-    return owner if isinstance(owner, layers.GradientCheckpointingLayer) else None
+    if isinstance(owner, layers.GradientCheckpointingLayer) or _of_a_reloaded_class(owner):
+        return owner
+    return None
+
+
+def _of_a_reloaded_class(owner: object) -> bool:
+    """Whether ``owner`` is a layer of a ``GradientCheckpointingLayer`` class that a reload of
+    ``transformers.modeling_layers`` replaced (a model built before it keeps the old class)."""
+    return any(
+        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__ == "transformers.modeling_layers"
+        for cls in type(owner).__mro__
+    )
 
 
 class LayerMethod:

@@ -2,15 +2,22 @@
 
 The versions (the shim, Python, torch and every distribution a patch is gated on), the status as
 ``python -m shim`` opens it, doctor's table for the patches that apply here, and the ``SHIM_*``
-variables set, their values escaped as every message of the shim escapes them. Printed as it is
-made: doctor's rows come one by one, as its checks finish.
+variables set. Printed as it is made: doctor's rows come one by one, as its checks finish.
+
+It is made to be pasted in a public issue, so it names no user and no private folder: a Python file
+in a folder of ``sys.path`` (site-packages, ``PYTHONPATH``) is shown as its module name, a path under
+the current folder as ``./...`` and one under the home folder as ``~/...``; a ``SHIM_*`` value is
+shown only where it is a patch list or a switch (escaped as every message of the shim escapes it),
+any other as ``<set>``.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .. import __version__
@@ -40,17 +47,54 @@ def distributions(registry: Registry) -> list[str]:
     return ["torch", *sorted(names - {"torch"})]
 
 
+#: The ``SHIM_*`` variables whose values a report shows: patch lists, and switches (a word each).
+PATCH_LISTS = ("SHIM_DISABLE", "SHIM_FORCE")
+SWITCHES = ("SHIM_STRICT", "SHIM_REPORT", "SHIM_LOG_LEVEL")
+_PATCH_LIST = re.compile(r"[\w*, -]*")  # names, ``all``, ``*``, commas: nothing a path or a secret needs
+_SWITCH = re.compile(r" *[A-Za-z0-9]{0,12} *")
+
+
 def variables(environ: dict[str, str] | None = None) -> list[str]:
-    """``NAME=value`` for each ``SHIM_*`` variable set, by name; each value quoted and escaped as
-    the shim's warnings quote it (control characters escaped, cut after 40 characters)."""
+    """``NAME=value`` for each ``SHIM_*`` variable set, by name: a patch list or a switch quoted and
+    escaped as the shim's warnings quote it, a value of any other shape and any other variable as
+    ``<set>`` (a user's own ``SHIM_*`` variable may hold a path or a token)."""
     env = os.environ if environ is None else environ
-    return [f"{as_given(name)}={shown(env[name])}" for name in sorted(env) if name.startswith("SHIM_")]
+    return [f"{as_given(name)}={_value(name, env[name])}" for name in sorted(env) if name.startswith("SHIM_")]
 
 
-def write_report(registry: Registry, write: Callable[[str], None]) -> None:
-    """The report, through ``write`` (a piece at a time: doctor's rows as its checks finish)."""
+def _value(name: str, value: str) -> str:
+    if name in PATCH_LISTS and _PATCH_LIST.fullmatch(value):
+        return repr(value)
+    if name in SWITCHES and _SWITCH.fullmatch(value):
+        return shown(value)
+    return "<set>"
+
+
+def without_private_paths(text: str, home: str, cwd: str, search_path: Iterable[str]) -> str:
+    """``text`` naming no user's folder: a Python file in a folder of ``search_path`` (``sys.path``,
+    the current folder left out) as its module name, then a path under ``cwd`` as ``./...`` and one
+    under ``home`` as ``~/...`` (the more specific first)."""
+    folders = {os.path.normpath(folder) for folder in search_path if folder and os.path.isabs(folder)}
+    for folder in sorted(folders - {cwd, os.sep}, key=len, reverse=True):
+        file = re.escape(folder + os.sep) + r"([\w.-]+(?:/[\w.-]+)*?)(?:/__init__)?\.pyc?(?![\w.])"
+        text = re.sub(file, lambda found: found.group(1).replace("/", "."), text)
+    for folder, shorter in ((cwd, "."), (home, "~")):
+        if folder and folder != os.sep:
+            text = re.sub(re.escape(folder) + r"(?![\w.-])", shorter, text)
+    return text
+
+
+def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
+    """The report, through ``write_out`` (a piece at a time: doctor's rows as its checks finish),
+    naming no user's folder (:func:`without_private_paths`)."""
     from . import doctor
     from .cli import status_table
+
+    home, cwd = os.path.expanduser("~"), os.getcwd()
+    search_path = list(sys.path)
+
+    def write(text: str) -> None:
+        write_out(without_private_paths(text, home, cwd, search_path))
 
     python = f"{platform.python_version()} ({platform.python_implementation()}, {platform.platform()})"
     rows = [("hf-train-shim", __version__), ("Python", python)]

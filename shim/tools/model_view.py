@@ -78,6 +78,12 @@ def _plain(value: Any) -> Any:
 
 def in_effect(model: Any, registry: Any) -> ModelView:
     """What the patches of ``registry`` that are on do on ``model`` now."""
+    if not callable(getattr(model, "named_modules", None)):
+        got = "None" if model is None else f"a {type(model).__qualname__}"
+        raise TypeError(
+            f"shim.in_effect() takes a model (a torch.nn.Module, peft's wrapper included), not {got}: "
+            "pass the model itself, e.g. shim.in_effect(trainer.model)"
+        )
     patches: dict[str, tuple[str, ...]] = {}
     for name in registry.names:
         if not registry.is_on(name):

@@ -5,10 +5,10 @@ Python process a run starts (under ``shim-run`` each imports the shim), but a us
 per training job: the script, or its ranks together (``shim.tools.ranks``). A *helper* reports only
 when a patch changed something in it, on its own:
 
-* a process started by ``multiprocessing`` (or ``multiprocess``): spawn and forkserver workers
-  (DataLoader workers among them), the resource tracker, the fork server (a ``fork`` child ends
-  without exit handlers). Ranks started by ``torch.multiprocessing.spawn`` count as workers too:
-  nothing tells them from a pool's worker, so they report only what changed;
+* a process started by ``multiprocessing`` (or ``multiprocess``) that does not hand its counts to
+  the process that started it (``shim.tools.workers``; that process had not imported the shim), the
+  resource tracker, the fork server. Ranks started by ``torch.multiprocessing.spawn`` count as
+  workers too: nothing tells them from a pool's worker;
 * a launcher: ``torchrun``, ``accelerate launch``, ``deepspeed`` (a process without ``RANK`` that
   imported a launcher module; the ranks it starts have ``RANK``);
 * a process that imported no module a patch targets (an inductor compile worker, a launcher of

@@ -30,7 +30,7 @@ _POLL = 0.02
 #: A job's folder left behind (a rank that never finished, a job killed at exit) is removed by a job
 #: started this many seconds later.
 STALE = 24 * 3600
-_CLAIMED = "claimed"
+CLAIMED = "claimed"
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,21 @@ def join(found: Job, counted: dict[str, Any]) -> Joined | None:
     """Hand this rank's ``counted`` to the job: what this process prints (the job's report, or its
     own alone when it finished after the job's report was printed), or ``None`` (another rank prints)."""
     folder = found.folder
-    _prepare(folder)
+    prepare(folder)
     mine = folder / f"rank-{found.rank}.json"
-    _write(mine, counted | {"rank": found.rank})
+    write(mine, counted | {"rank": found.rank})
     deadline = time.monotonic() + (JOIN_TIMEOUT if found.local_rank == 0 else 0.0)
     while True:
         if not mine.exists():
             return None  # the rank that printed the job's report took it
-        if (folder / _CLAIMED).exists():
-            return _take_back(mine)
+        if (folder / CLAIMED).exists():
+            return take_back(mine)
         present = sorted(folder.glob("rank-*.json"))
         complete = len(present) >= found.expected
         if complete or (found.local_rank == 0 and time.monotonic() >= deadline):
             joined = _claim(folder, mine)
             if complete and joined is not None and not joined.late:
-                _remove(folder)  # every rank is in: none can come late
+                remove(folder)  # every rank is in: none can come late
             return joined
         if found.local_rank != 0:
             return None  # the rank that completes the set, or local rank 0, prints
@@ -104,12 +104,12 @@ def join(found: Job, counted: dict[str, Any]) -> Joined | None:
 
 def _claim(folder: Path, mine: Path) -> Joined | None:
     try:
-        (folder / _CLAIMED).mkdir()
+        (folder / CLAIMED).mkdir()
     except FileExistsError:  # another rank saw the set complete at the same moment
-        return _take_back(mine)
+        return take_back(mine)
     records = []
     for path in sorted(folder.glob("rank-*.json")):
-        taken = folder / _CLAIMED / path.name
+        taken = folder / CLAIMED / path.name
         try:
             os.rename(path, taken)  # a rank taking its file back at the same moment wins or loses whole
             records.append(json.loads(taken.read_text(encoding="utf-8")))
@@ -119,7 +119,7 @@ def _claim(folder: Path, mine: Path) -> Joined | None:
     return Joined(sorted(records, key=lambda record: int(record["rank"])))
 
 
-def _take_back(mine: Path) -> Joined | None:
+def take_back(mine: Path) -> Joined | None:
     """After the job's report was claimed: ``None`` when it took this rank's file, else this rank's own
     record (it came too late for the job's report and is printed alone)."""
     late = mine.with_suffix(".late")
@@ -135,14 +135,14 @@ def _take_back(mine: Path) -> Joined | None:
         late.unlink(missing_ok=True)
 
 
-def _write(path: Path, record: dict[str, Any]) -> None:
+def write(path: Path, record: dict[str, Any]) -> None:
     """``record`` as ``path``, whole or not at all (another rank lists the folder meanwhile)."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_text(json.dumps(record), encoding="utf-8")
     os.replace(partial, path)
 
 
-def _prepare(folder: Path) -> None:
+def prepare(folder: Path) -> None:
     """The job's folder, and the folders of jobs long over removed (each job leaves one, small)."""
     parent = folder.parent
     parent.mkdir(mode=0o700, exist_ok=True)
@@ -152,11 +152,11 @@ def _prepare(folder: Path) -> None:
     except OSError:
         old = []
     for path in old:
-        _remove(path)
+        remove(path)
     folder.mkdir(mode=0o700, exist_ok=True)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)

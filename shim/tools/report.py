@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..entry import APPLIED
-from . import processes, ranks
+from . import processes, ranks, workers
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
@@ -81,14 +81,21 @@ class Row:
     last_rank: int | None = None  # a job's table: the rank the last effect shown is from
 
 
-def report(records: Sequence[PatchStatus]) -> str:
+def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | None = None) -> str:
     """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns:
     a row per patch that changed something, by name, its last effect below it, then the other patches
-    by state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included."""
+    by state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included. ``handed_over``: what this
+    process's multiprocessing workers counted (``shim.tools.workers``), added in."""
     role = processes.helper(spec.partition(":")[0] for r in records for spec in r.targets)
     who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
+    effects = {r.name: r.effects for r in records}
+    last = {r.name: r.last_effect for r in records}
+    if handed_over:
+        workers.merged(effects, last, handed_over)
+        who = workers.with_workers(who, handed_over)
     rows = [
-        Row(r.name, r.effects, r.last_effect, _group(str(r.state)), tuple(o["text"] for o in r.others)) for r in records
+        Row(r.name, effects[r.name], last[r.name], _group(str(r.state)), tuple(o["text"] for o in r.others))
+        for r in records
     ]
     return _table(who, rows, _prefix())
 
@@ -198,19 +205,31 @@ def _at_exit(shim: ModuleType, table: bool) -> str:
 
     names = shim.registry.names
     effects = {name: runtime.count(name) for name in names}
+    last = {name: runtime.last(name) for name, count in effects.items() if count}
+    starter = workers.starter()
+    if starter is not None:  # a multiprocessing worker: the process that started it says its counts
+        if not any(effects.values()):
+            return ""
+        counted = {"pid": os.getpid(), "effects": {name: n for name, n in effects.items() if n}, "last": last}
+        if workers.hand_over(starter, counted):
+            return ""
+        who = f"pid {os.getpid()}, multiprocessing worker, finished after the report of pid {workers.pid_of(starter)}"
+        return acted_line(effects, who, _prefix())
+    handed_over = workers.collect()
+    workers.merged(effects, last, handed_over)
     role = processes.helper(module for name in names for module in shim.registry.declared(name).modules)
     found = ranks.job() if role is None else None
     if found is None:  # one process: the script, a helper, or a rank started alone
         if role is not None and not any(effects.values()):
             return ""  # a helper (launcher, worker) in which nothing changed
         if table:
-            return str(shim.report())
-        who = f"pid {os.getpid()}, {role}" if role else ""
+            return report(shim.status(), handed_over)
+        who = workers.with_workers(f"pid {os.getpid()}, {role}" if role else "", handed_over)
         return acted_line(effects, who, _prefix())
     mine: dict[str, object] = {
         "pid": os.getpid(),
         "effects": {name: count for name, count in effects.items() if count},
-        "last": {name: runtime.last(name) for name, count in effects.items() if count},
+        "last": {name: last[name] for name, count in effects.items() if count},
     }
     if table:
         mine["records"] = [_kept(record) for record in shim.status()]

@@ -198,3 +198,66 @@ def test_the_real_stack_applies_its_patches_one_layer_a_target_and_names_no_patc
     assert len(out["applied"]) >= 10, out
     assert out["layers"] and set(out["layers"].values()) == {1}, out["layers"]
     assert out["calls"] == []
+
+
+HELD = """
+import functools
+
+def f(x):
+    return x
+"""
+KEEPERS = """
+import functools
+from {pkg}.target import f as original
+
+class Patcher:
+    kept = functools.partial(original)
+
+    def __init__(self):
+        self.original = original
+
+    def call(self, x):  # a bound method of a patcher object, set on the module
+        return self.original(x)
+
+    def __call__(self, x):  # an object called in its place
+        return self.original(x)
+
+    @staticmethod
+    def static(x):
+        return Patcher.kept(x)
+
+def through_the_class(x):
+    return Patcher.static(x)
+
+def through_a_module_global(x):
+    return original(x)
+
+def through_nothing_of_the_shim(x):
+    return x
+"""
+
+
+def test_the_fix_runs_where_a_replacement_reaches_the_layer_through_what_it_keeps(fake_modules):
+    """A replacement that keeps the shim's layer (an instance's attribute, a partial in a class
+    attribute behind a static method, a module global) calls the fix: the status says it sits above;
+    one that keeps nothing of it bypasses it. Each call is checked, not only the status."""
+    pkg = fake_modules(target=HELD)
+    target = importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg)])
+    registry.activate()
+    keepers = importlib.import_module(f"{fake_modules(keepers=KEEPERS.format(pkg=pkg))}.keepers")  # takes the layer
+    patcher = keepers.Patcher()
+    cases = {
+        "a bound method": (patcher.call, "above"),
+        "an object called": (patcher, "above"),
+        "a partial in a class attribute": (keepers.through_the_class, "above"),
+        "a module global": (keepers.through_a_module_global, "above"),
+        "nothing of the shim": (keepers.through_nothing_of_the_shim, "bypassed"),
+    }
+    for case, (replacement, relation) in cases.items():
+        target.f = replacement
+        record = next(s for s in registry.status() if s.name == "demo")
+        runs_the_fix = target.f(1) == ("demo", 1)
+        assert runs_the_fix == (relation == "above"), case
+        assert [o["relation"] for o in record.others] == [relation], (case, record.others)
+        assert record.state == ("applied" if runs_the_fix else "failed"), (case, record.reason)

@@ -620,6 +620,68 @@ def test_a_fork_started_dataloader_worker_imports_a_target_while_a_thread_applie
     assert run_script(DATALOADER.format(children=8), timeout=300) == [1.0] * 32
 
 
+STATUS_FORKS = """
+import contextlib, json, os, random, signal, threading, time
+import shim
+def wait(pid, seconds):  # the child's exit code, or "hung" (killed after ``seconds``)
+    deadline = time.monotonic() + seconds
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hung"
+        time.sleep(0.002)
+    return os.waitstatus_to_exitcode(done[1])
+def first_statuses():
+    # A process whose threads read the status for the first time, importing what it needs (the
+    # first 30 ms of the first status): forked at random moments of that, each child reads its own.
+    forked = threading.Event()
+    def read():
+        while not forked.is_set():
+            shim.status()
+    for _ in range(2):
+        threading.Thread(target=read, daemon=True).start()
+    start, children = time.monotonic(), []
+    for moment in sorted(random.uniform(0, {window}) for _ in range({per_process})):
+        time.sleep(max(0.0, start + moment - time.monotonic()))
+        child = os.fork()
+        if child == 0:
+            shim.status()
+            os._exit(0)
+        children.append(child)
+    forked.set()
+    for child in children:
+        if wait(child, 10) != 0:
+            for other in children:  # none is left behind, holding the test's output open
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGKILL)
+            os._exit(1)
+    os._exit(0)
+forks, hung = 0, 0
+while forks < {forks} and not hung:
+    pids = []
+    for _ in range(2):  # two at a time: the machine's cores
+        pid = os.fork()
+        if pid == 0:
+            try:
+                first_statuses()
+            finally:
+                os._exit(2)  # whatever happened, this process never runs the loop
+        pids.append(pid)
+    forks += 2 * {per_process}
+    hung += sum(wait(pid, 60) != 0 for pid in pids)
+print(json.dumps({{"forks": forks, "hung": hung}}))
+"""
+
+
+def test_no_child_forked_while_threads_read_the_status_hangs_on_the_shims_lazy_imports():
+    # A thread reading the status for the first time imports shim.records (and what it imports); a
+    # child forked during that import waited forever for Python's lock on the module (36 children in
+    # 40 forked inside that window hung). The forking thread now waits for such an import to finish.
+    out = run_script(STATUS_FORKS.format(forks=200, per_process=10, window=0.035), timeout=300)
+    assert out == {"forks": 200, "hung": 0}
+
+
 # -- an import hook installed in front of the shim's (typeguard, jaxtyping) -------------------------------
 
 FINDER_IN_FRONT = """

@@ -3,6 +3,7 @@ subset, ending in one report. CI runs it here, within the suite; the CUDA run is
 (docs/testing.md)."""
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -20,13 +21,14 @@ def test_the_smoke_run_installs_tests_measures_and_reports(tmp_path):
     env = clean_environment({"PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels")})
     env.pop(devices.VARIABLE, None)  # the script names the device itself
     done = subprocess.run(
-        ["bash", str(SCRIPT), "--smoke", str(tmp_path / "report")],
+        ["bash", str(SCRIPT), "--smoke", "report"],  # relative: to the folder it is started in
         capture_output=True,
         text=True,
         env=env,
         cwd=tmp_path,  # the script finds the checkout from its own place
         timeout=300,
     )
+    assert not (ROOT / "report").exists(), "the report folder was taken relative to the checkout"
     report = (tmp_path / "report" / "report.md").read_text()
     assert done.returncode == 0, report + done.stderr[-3000:]
     assert report.startswith("# hf-train-shim device check (smoke, --device cpu)")
@@ -44,6 +46,21 @@ def test_the_smoke_run_installs_tests_measures_and_reports(tmp_path):
         "memory.log",
         "memory.json",
     }
+
+
+def test_the_smoke_run_on_a_clean_clone_names_the_set_up_to_run(tmp_path):
+    clone = tmp_path / "clone"
+    (clone / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, clone / "scripts")  # a checkout before bash scripts/setup.sh: no .venv
+    env = clean_environment()
+    env.pop("PYTHON", None)
+    done = subprocess.run(
+        ["bash", "scripts/device-check.sh", "--smoke", "report"], capture_output=True, text=True, env=env, cwd=clone
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("device-check: --smoke runs on .venv/bin/python, which is not there: ")
+    assert "run bash scripts/setup.sh first" in done.stderr
+    assert not (clone / "report").exists()
 
 
 def normal(name: str) -> str:
@@ -71,7 +88,12 @@ def test_fetch_downloads_the_default_cells_pins_for_the_machines_python(tmp_path
     (bin_dir / "python3").chmod(0o755)
     env = clean_environment({"PATH": f"{bin_dir}:/usr/bin:/bin"})
     done = subprocess.run(
-        ["bash", str(SCRIPT), "--fetch", str(tmp_path / "wheels")], capture_output=True, text=True, env=env, timeout=30
+        ["bash", str(SCRIPT), "--fetch", "wheels"],  # relative: to the folder it is started in
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=30,
     )
     assert done.returncode == 0, done.stderr
     words = done.stdout.split()

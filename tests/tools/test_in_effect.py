@@ -4,6 +4,8 @@ and its adapters; it is a dict too, and reading it changes nothing."""
 
 import json
 
+import pytest
+
 from tests.conftest import run_python
 
 LLAMA = """
@@ -106,3 +108,27 @@ def test_with_the_shim_switched_off_no_patch_acts():
     out = json.loads(run_python(code, env={"SHIM_DISABLE": "all"}, torch_first=True).stdout.splitlines()[-1])
     assert out["view"]["patches"] == {}
     assert out["view"]["checkpointing"][0]["kwargs"] == {"use_reentrant": False}, "upstream's bare re-enable"
+
+
+NOT_A_MODEL = """
+import json
+import shim
+said = []
+for given in (None, "model", shim):
+    try:
+        shim.in_effect(given)
+    except TypeError as error:
+        said.append(str(error))
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.parametrize("env", [None, {"SHIM_DISABLE": "all"}], ids=["on", "off"])
+def test_anything_but_a_model_is_refused_with_a_type_error_that_says_what_to_pass(env):
+    # None used to end in AttributeError: 'NoneType' object has no attribute 'named_modules'.
+    said = json.loads(run_python(NOT_A_MODEL, env=env).stdout)
+    fix = ": pass the model itself, e.g. shim.in_effect(trainer.model)"
+    assert said == [
+        f"shim.in_effect() takes a model (a torch.nn.Module, peft's wrapper included), not {got}{fix}"
+        for got in ("None", "a str", "a module")
+    ]

@@ -1,0 +1,154 @@
+"""A reload of a target module, as IPython's autoreload and a notebook do it: the reloaded module gets
+the shim's layer again with every part that was in it, the classes of models built before it keep
+theirs, and a status never says "failed" for the shim's own target reloaded. Each case runs in a fresh
+interpreter with the shim on, off (``SHIM_DISABLE=all``) and without it, and trains a tiny 2-layer
+Llama whose layers get their hidden states by keyword, under reentrant checkpointing: with the fix,
+its gradients equal those of a run without checkpointing; without it, they do not."""
+
+import json
+
+import pytest
+import transformers.modeling_layers  # noqa: F401  (the parts this process has, to compare)
+
+import shim
+from tests.conftest import run_python
+
+SLOT = "transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func"
+SETSTATE = "transformers.modeling_layers:GradientCheckpointingLayer.__setstate__"
+
+RELOADS = """
+import importlib, json, sys, warnings
+import torch
+mode = {mode!r}
+if mode != "without":
+    import shim
+import transformers.modeling_utils, transformers.modeling_layers
+from transformers.models.llama import configuration_llama, modeling_llama
+warnings.simplefilter("ignore")  # torch's "none of the inputs require grad" is the bug speaking
+config = configuration_llama.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+SLOT, SETSTATE, LAYERS = {slot!r}, {setstate!r}, "transformers.modeling_layers"
+
+def build():  # from the model's module as it is now (reloaded or not)
+    torch.manual_seed(0)
+    return sys.modules["transformers.models.llama.modeling_llama"].LlamaForCausalLM(config).train()
+
+def grads(model, ids):  # each decoder layer gets its hidden states by keyword
+    model.zero_grad(set_to_none=True)
+    inner = model.model
+    hidden = inner.embed_tokens(ids)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    rotary = inner.rotary_emb(hidden, positions)
+    for layer in inner.layers:
+        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=rotary)
+        hidden = out[0] if isinstance(out, tuple) else out
+    logits = model.lm_head(inner.norm(hidden))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    return {{name: p.grad for name, p in model.named_parameters()}}
+
+def checkpointing_keeps_grads(model):
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = grads(model, ids)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={{"use_reentrant": True}})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": True}})
+    checkpointed = grads(model, ids)
+    return all(
+        got is not None and torch.allclose(want, got, rtol=1e-5, atol=1e-6)
+        for name, want in reference.items() if want is not None for got in [checkpointed[name]]
+    )
+
+def parts(spec):
+    return [name for name, _layer in shim.wrappers(spec)] if mode != "without" else []
+
+built_before = build()
+parts_before = {{spec: parts(spec) for spec in (SLOT, SETSTATE)}}
+for name in {order!r}:
+    importlib.reload(sys.modules[name])
+out = {{
+    "built before": checkpointing_keeps_grads(built_before),
+    "built after": checkpointing_keeps_grads(build()),
+    "parts kept": {{spec: parts(spec) == before for spec, before in parts_before.items()}},
+}}
+if mode != "without":
+    out["states"] = {{s.name: s.state for s in shim.status() if LAYERS in shim.registry.declared(s.name).modules}}
+    out["parts"] = parts_before[SLOT]
+    reasons = [s.reason.split("; ") for s in shim.status()]
+    out["notes said twice"] = [notes for notes in reasons if len(set(notes)) < len(notes)]
+print(json.dumps(out))
+"""
+
+LAYERS, UTILS = "transformers.modeling_layers", "transformers.modeling_utils"
+LLAMA = "transformers.models.llama.modeling_llama"
+
+#: What is reloaded, in order: the checkpointing path's module alone, then with the model's module
+#: after it or before it, everything as autoreload goes (in sys.modules' order: modeling_utils, the
+#: layers, the model), twice in a row, and the models' base module alone.
+ORDERS = [(LAYERS,), (LAYERS, LLAMA), (LLAMA, LAYERS), (UTILS, LAYERS, LLAMA), (LAYERS, LLAMA, LAYERS, LLAMA), (UTILS,)]
+
+
+def reloaded(order: tuple[str, ...], mode: str) -> dict:
+    code = RELOADS.format(mode=mode, order=order, slot=SLOT, setstate=SETSTATE)
+    env = {"SHIM_DISABLE": "all"} if mode == "off" else None
+    result = run_python(code, env=env, timeout=240, torch_first=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["-".join(m.rpartition(".")[2] for m in o) for o in ORDERS])
+def test_a_reload_keeps_every_part_of_the_checkpointing_fixes(order):
+    out = reloaded(order, "on")
+    # As in this process, where transformers was imported once: the same parts, the same states.
+    assert out["parts"] == [name for name, _layer in shim.wrappers(SLOT)]
+    in_this_process = {s.name: s.state for s in shim.status() if s.name in out["states"]}
+    assert out["states"] == in_this_process, "never failed for the shim's own target"
+    assert "applied" in out["states"].values()
+    assert out["parts kept"] == {SLOT: True, SETSTATE: True}
+    assert out["notes said twice"] == []
+    assert (out["built before"], out["built after"]) == (True, True), "gradients equal to no checkpointing"
+
+
+@pytest.mark.parametrize("mode", ["off", "without"])
+def test_the_reload_test_sees_the_bug_with_the_shim_off_and_without_it(mode):
+    out = reloaded((UTILS, LAYERS, LLAMA), mode)
+    assert (out["built before"], out["built after"]) == (False, False)
+    if mode == "off":
+        assert set(out["states"].values()) == {"disabled"}
+
+
+FROZEN_TOWER = """
+import importlib, json, sys
+import torch
+import shim
+from tests.steps import enable_checkpointing
+from tests.tinymodels import tiny_qwen2_vl, vision_tower
+
+
+def bug_shows():
+    """Whether enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
+    model, inputs = tiny_qwen2_vl()
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    enable_checkpointing(model, {"use_reentrant": False})
+    with torch.enable_grad():
+        return bool(tower.patch_embed(inputs["pixel_values"]).requires_grad)
+
+
+before = bug_shows()  # the fix has acted once: the VLM's modules are imported
+importlib.reload(sys.modules["transformers.modeling_utils"])
+for name in [name for name in list(sys.modules) if name.startswith("transformers.models.qwen2_vl.modeling")]:
+    importlib.reload(sys.modules[name])
+print(json.dumps({"bug before the reload": before, "bug after": bug_shows()}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_frozen_tower_stays_out_of_backward_in_a_model_built_after_a_reload(mode):
+    # The patch had kept the PreTrainedModel class it met first, which a model built from reloaded
+    # modules is no instance of: its frozen vision tower's output required grad again.
+    env = {"SHIM_DISABLE": "all"} if mode == "off" else None
+    out = json.loads(run_python(FROZEN_TOWER, env=env, timeout=240, torch_first=True).stdout.strip().splitlines()[-1])
+    applies = shim.status()[shim.registry.names.index("frozen-tower-input-grads")].state == "applied"
+    fixed = mode == "on" and applies
+    assert out == {"bug before the reload": not fixed, "bug after": not fixed}
