@@ -125,8 +125,7 @@ from tests.steps import enable_checkpointing
 from tests.tinymodels import tiny_qwen2_vl, vision_tower
 
 
-def bug_shows():
-    """Whether enabling checkpointing makes a frozen vision tower's embeddings' output require grad."""
+def bug_shows():  # whether enabling checkpointing makes a frozen tower's embeddings' output require grad
     model, inputs = tiny_qwen2_vl()
     tower = vision_tower(model)
     tower.requires_grad_(False)
