@@ -72,17 +72,14 @@ def ask(probe: BugProbe, library: str, why: str) -> Answer:
 def _traceless() -> Iterator[None]:
     """What a probe may change is put back or kept to itself: the random states of torch's CPU
     generator, Python's and NumPy's (if imported), the grad and inference modes and the default device
-    (gradients on, the CPU, whatever the caller's), shown warnings, and the effects the shim's other
-    patches record while it runs. CUDA is never touched: a probe works on the CPU."""
-    import warnings
-
+    (gradients on, the CPU, whatever the caller's), the warnings it raises, and the effects the shim's
+    other patches record inside it. CUDA is never touched: a probe works on the CPU."""
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(warnings.catch_warnings())
-        warnings.simplefilter("ignore")
+        stack.enter_context(_warnings_ignored())
         stack.enter_context(runtime.muted())
         if torch is not None:
             stack.enter_context(torch.random.fork_rng(devices=[]))
@@ -95,3 +92,27 @@ def _traceless() -> Iterator[None]:
             random.setstate(python_state)
             if numpy is not None:
                 numpy.random.set_state(numpy_state)
+
+
+_IGNORE_ALL = ("ignore", None, Warning, None, 0)
+
+
+@contextlib.contextmanager
+def _warnings_ignored() -> Iterator[None]:
+    """A probe's warnings neither show nor register (a warning shown once per place must still show
+    when the user's code gets there). Not ``warnings.catch_warnings()``: changing the filters through
+    it marks every module's record of the warnings already shown as stale, so that each shows again;
+    a filter put at the front of the list and taken out again changes nothing else. (Another thread's
+    warning inside the block is not shown either: the filters are the process's.)"""
+    import warnings
+
+    filters = warnings.filters
+    mine = tuple(_IGNORE_ALL)  # its own object, found again by identity
+    filters.insert(0, mine)
+    try:
+        yield
+    finally:
+        for index, item in enumerate(filters):
+            if item is mine:
+                del filters[index]
+                break

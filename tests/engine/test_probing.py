@@ -26,6 +26,7 @@ from shim import (
     probing,
     runtime,
 )
+from tests.conftest import run_python
 from tests.engine.fakes import TARGET, finds, make_patch, tagging
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
@@ -306,6 +307,39 @@ def test_a_probe_sees_the_cpu_with_gradients_on_and_leaves_the_random_states_as_
     assert random.getstate() == before[1]
     assert (numpy.random.get_state()[1] == before[2]).all()
     assert shown == [] and runtime.count("another-patch") == effects
+
+
+SHOWN_ONCE = """
+import warnings
+import torch  # imported first: a library's import may change the filters itself
+from shim import probing
+from shim.patch import BugProbe, Evidence
+
+shown = []
+warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+
+
+def here():
+    warnings.warn("the user's", FutureWarning)
+
+
+def ask():
+    warnings.warn("the probe's", UserWarning)
+    here()
+    return Evidence(False, "seen")
+
+
+here()
+probing.ask(BugProbe(ask), "demo", "a test")
+here()  # shown once at this place already: not again
+print(shown)
+"""
+
+
+def test_a_probe_neither_shows_its_warnings_nor_shows_the_users_again():
+    """``warnings.catch_warnings()`` would mark every place's record of what was shown as stale: the
+    user's warning, shown once at its place, would show again after the probe."""
+    assert run_python(SHOWN_ONCE).stdout.strip() == '["the user\'s"]'
 
 
 # -- what a patch declares ----------------------------------------------------------------------------
