@@ -17,7 +17,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import runtime
 
@@ -106,8 +106,8 @@ def _warnings_ignored() -> Iterator[None]:
     warning inside the block is not shown either: the filters are the process's.)"""
     import warnings
 
-    filters = warnings.filters
-    mine = tuple(_IGNORE_ALL)  # its own object, found again by identity
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at run time (typeshed: a Sequence)
+    mine = tuple(list(_IGNORE_ALL))  # a tuple of its own (not the constant), found again by identity
     filters.insert(0, mine)
     try:
         yield
