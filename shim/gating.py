@@ -167,19 +167,17 @@ def _between_releases(installed: str) -> str:
     return ""
 
 
-_install_kind: dict[str, str] = {}  # distribution -> how it was installed, read once
-
-
 def _not_from_a_release(library: str) -> str | None:
     """Where ``library`` was installed from its source rather than a release (PEP 610's
     ``direct_url.json``: editable, or from a version-control system), a sentence that says so."""
-    kind = _install_kind.get(library)
-    if kind is None:
-        kind = _install_kind[library] = _read_install_kind(library)
+    kind = _install_kind(library)
     return f"{library} is {kind}" if kind else None
 
 
-def _read_install_kind(library: str) -> str:
+@functools.cache
+def _install_kind(library: str) -> str:
+    """How ``library`` was installed, where not from a release; read once per process (a tenth of a
+    millisecond once transformers has read the metadata at its own import)."""
     try:
         text = importlib.metadata.distribution(library).read_text("direct_url.json")
         found = json.loads(text) if text else {}
@@ -187,9 +185,11 @@ def _read_install_kind(library: str) -> str:
         return ""
     if not isinstance(found, dict):
         return ""
-    if "vcs_info" in found:
-        return f"installed from {found['vcs_info'].get('vcs', 'version control')} ({found.get('url', '')})"
-    if isinstance(found.get("dir_info"), dict) and found["dir_info"].get("editable"):
+    vcs = found.get("vcs_info")
+    if isinstance(vcs, dict):
+        return f"installed from {vcs.get('vcs', 'version control')} ({found.get('url', '')})"
+    directory = found.get("dir_info")
+    if isinstance(directory, dict) and directory.get("editable"):
         return "an editable install"
     return ""
 

@@ -122,12 +122,20 @@ def test_a_release_newer_than_measured_is_probed(fake_modules, monkeypatch, meas
     assert f"(asked because {pkg} 1.2.0 is newer than the newest release measured (1.0.0))" in record(registry).reason
 
 
-def test_an_editable_install_is_probed(fake_modules, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "direct_url, said",
+    [
+        ({"url": "file:///src", "dir_info": {"editable": True}}, "is an editable install"),
+        (
+            {"url": "https://example.org/x.git", "vcs_info": {"vcs": "git"}},
+            "is installed from git (https://example.org/x.git)",
+        ),
+    ],
+)
+def test_an_editable_or_version_control_install_is_probed(fake_modules, monkeypatch, tmp_path, direct_url, said):
     pkg = built(fake_modules, monkeypatch)
-    (tmp_path / f"{pkg}-1.2.0.dist-info" / "direct_url.json").write_text(
-        json.dumps({"url": "file:///src", "dir_info": {"editable": True}})
-    )
-    assert gating.why_asked(pkg, "auto") == f"{pkg} is an editable install"
+    (tmp_path / f"{pkg}-1.2.0.dist-info" / "direct_url.json").write_text(json.dumps(direct_url))
+    assert gating.why_asked(pkg, "auto") == f"{pkg} {said}"
     registry = Registry([make_patch(pkg, bug_probe=finds(False, "f"))])
     registry.activate()
     assert not wrapped(pkg)
