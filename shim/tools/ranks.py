@@ -107,16 +107,23 @@ def _claim(folder: Path, mine: Path) -> Joined | None:
         (folder / CLAIMED).mkdir()
     except FileExistsError:  # another rank saw the set complete at the same moment
         return take_back(mine)
+    return Joined(sorted(take_all(folder, "rank-*.json"), key=lambda record: int(record["rank"])))
+
+
+def take_all(folder: Path, pattern: str) -> list[dict[str, Any]]:
+    """The records of the files ``pattern`` matches in a ``folder`` this process claimed (its
+    :data:`CLAIMED` made): each moved there first, so that one whose writer takes it back at the
+    same moment is had whole by one side or the other; one that cannot be read is left out."""
     records = []
-    for path in sorted(folder.glob("rank-*.json")):
+    for path in sorted(folder.glob(pattern)):
         taken = folder / CLAIMED / path.name
         try:
-            os.rename(path, taken)  # a rank taking its file back at the same moment wins or loses whole
+            os.rename(path, taken)
             records.append(json.loads(taken.read_text(encoding="utf-8")))
             taken.unlink()
         except (OSError, ValueError):
             continue
-    return Joined(sorted(records, key=lambda record: int(record["rank"])))
+    return records
 
 
 def take_back(mine: Path) -> Joined | None:

@@ -28,7 +28,6 @@ its fork workers end by ``os._exit`` and say nothing; its spawn workers say thei
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -76,15 +75,7 @@ def collect() -> list[dict[str, Any]]:
         (folder / ranks.CLAIMED).mkdir()  # a worker still running finds it, and says its own
     except OSError:  # claimed already, or no folder can be made (a read-only temporary directory)
         return []
-    records = []
-    for path in folder.glob("worker-*.json"):
-        taken = folder / ranks.CLAIMED / path.name
-        try:
-            os.rename(path, taken)  # a worker taking its file back at the same moment wins or loses whole
-            records.append(json.loads(taken.read_text(encoding="utf-8")))
-            taken.unlink()
-        except (OSError, ValueError):
-            continue
+    records = ranks.take_all(folder, "worker-*.json")
     if running:
         _remove_once_joined(folder)
     else:
