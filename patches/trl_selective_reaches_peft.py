@@ -107,21 +107,8 @@ def _bug_probe() -> Evidence:
     module = sys.modules.get(SELECTIVE)
     if module is None:
         return Evidence(False, "trl has no selective activation checkpointing")
-    torch = bare.torch_module()
-
-    class Forwarding(torch.nn.Module):
-        def __init__(self, model) -> None:
-            super().__init__()
-            self.base = model
-
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self._modules["base"], name)
-
     inner = bare.model()
-    outer = Forwarding(inner)
+    outer = bare.forwarding(inner)
     module.enable_selective_activation_checkpointing(outer)
     enable(outer, {"use_reentrant": False, "selective": True})
     keywords = [keywords or {} for flag, _, keywords in bare.checkpointing(inner.layers) if flag]

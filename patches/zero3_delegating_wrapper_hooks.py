@@ -134,23 +134,10 @@ def _registered_forwarding_module() -> Evidence:
     the ``Linear`` it holds, for an offload engine made without its ``__init__`` (no process group, no
     partitioning; the hooks it registers are removed again): the bug is there when the forwarding
     module gets no hook classes of its own (its ``hasattr`` found its child's)."""
-    torch = bare.torch_module()
-
-    class Forwarding(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = bare.linear()
-
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self._modules["inner"], name)
-
     offload = sys.modules[OFFLOAD].DeepSpeedZeRoOffload
     engine = offload.__new__(offload)  # what the method reads of it, and nothing else: no __init__
     engine.__dict__.update(module=None, forward_hooks=[], backward_hooks=[])
-    wrapper = Forwarding()
+    wrapper = bare.forwarding(bare.linear())
     try:  # count given: DeepSpeed's default list is shared by every call
         engine._register_deepspeed_module(wrapper, count=[0])
     finally:

@@ -108,6 +108,28 @@ def model(layers: int = 2, cls: type | None = None) -> Any:
     return built.train()
 
 
+def forwarding(inner: Any) -> Any:
+    """A module holding ``inner`` (as ``inner``) that answers the attributes it lacks with
+    ``inner``'s, as a ``PeftModel``, peft's ``ModulesToSaveWrapper`` and torch's ``CheckpointWrapper`` do."""
+    module: Any = torch_module().nn.Module
+
+    class Forwarding(module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                held = self.__dict__.get("_modules", {}).get("inner")
+                if held is None:  # not built yet
+                    raise
+                return getattr(held, name)
+
+    return Forwarding()
+
+
 class StandIn:
     """An object with the attributes it is given; any other reads as ``None`` (a stand-in for a
     Trainer, its arguments or an accelerator, of which a probe's call reads a few)."""

@@ -24,6 +24,7 @@ if mode != "without":
     import shim
 import transformers.modeling_utils, transformers.modeling_layers
 from transformers.models.llama import configuration_llama, modeling_llama
+from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
 warnings.simplefilter("ignore")  # torch's "none of the inputs require grad" is the bug speaking
 config = configuration_llama.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
@@ -33,32 +34,11 @@ def build():  # from the model's module as it is now (reloaded or not)
     torch.manual_seed(0)
     return sys.modules["transformers.models.llama.modeling_llama"].LlamaForCausalLM(config).train()
 
-def grads(model, ids):  # each decoder layer gets its hidden states by keyword
-    model.zero_grad(set_to_none=True)
-    inner = model.model
-    hidden = inner.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    rotary = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=rotary)
-        hidden = out[0] if isinstance(out, tuple) else out
-    logits = model.lm_head(inner.norm(hidden))
-    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
-    return {{name: p.grad for name, p in model.named_parameters()}}
-
-def checkpointing_keeps_grads(model):
+def checkpointing_keeps_grads(model):  # each decoder layer gets its hidden states by keyword
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    reference = grads(model, ids)
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={{"use_reentrant": True}})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": True}})
-    checkpointed = grads(model, ids)
-    return all(
-        got is not None and torch.allclose(want, got, rtol=1e-5, atol=1e-6)
-        for name, want in reference.items() if want is not None for got in [checkpointed[name]]
-    )
+    reference = keyword_driven_grads(model, ids)
+    enable_checkpointing(model, {{"use_reentrant": True}})
+    return not wrong_grads(reference, keyword_driven_grads(model, ids))
 
 def parts(spec):
     return [name for name, _layer in shim.wrappers(spec)] if mode != "without" else []
