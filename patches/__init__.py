@@ -37,6 +37,7 @@ INDEX = (
         "module": "checkpoint_kwargs_clean",
         "distribution": "transformers",
         "requires": ">=4.57",
+        "after": ("checkpointing-restore",),
         "modules": ("transformers.modeling_utils",),
     },
     {
@@ -44,6 +45,7 @@ INDEX = (
         "module": "checkpointing_call_signature",
         "distribution": "transformers",
         "requires": ">=4.57",
+        "after": ("checkpointing-restore",),
         "modules": ("trl.models.utils", "transformers.modeling_utils", "transformers.trainer"),
     },
     {
@@ -72,6 +74,7 @@ INDEX = (
         "module": "frozen_tower_input_grads",
         "distribution": "transformers",
         "requires": ">=5.0",
+        "after": ("input-grad-hook-dedupe",),
         "modules": ("transformers.modeling_utils",),
     },
     {

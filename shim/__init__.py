@@ -27,8 +27,7 @@ For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target
 wrappers; ``shim.written_by(obj)``, where another patcher's object was written. Several patches
 on one target share the engine's one layer there, which runs their parts in one declared order
 (``Patch.after``, ``Patch.place``: ``shim.order``). Other patchers on the shim's targets are named
-when asked: a status, doctor, the exit report, ``SHIM_LOG_LEVEL=DEBUG``, or
-``shim.notice_others()`` at a moment of your own.
+when asked: a status, doctor, the exit report, or ``SHIM_LOG_LEVEL=DEBUG``.
 ``shim.BugProbe`` and ``shim.Evidence`` declare a patch's bug probe (``Patch.bug_probe``); ``shim.selfcheck.bare``
 builds the bare models and layers they ask their question of.
 """
@@ -72,7 +71,6 @@ __all__ = [
     "disabled",
     "enable",
     "in_effect",
-    "notice_others",
     "record_effect",
     "register",
     "registry",
@@ -179,7 +177,6 @@ disable = registry.disable
 disabled = registry.disabled
 register = registry.register
 switch_of = registry.switch_of
-notice_others = registry.notice_others
 
 # What the shim did, said on stderr at exit: one line where a fix acted, the effects table with
 # SHIM_REPORT=1, nothing with SHIM_REPORT=0. Registered here, imported only at exit (shim.tools.report).

@@ -29,12 +29,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import order
+from .catalogue import Unfinished
 from .runtime import Switch
 
 if TYPE_CHECKING:
+    from .catalogue import Listing
     from .gating import Gate
     from .layers import Layers
-    from .patch import BugProbe, Declared, Patch
+    from .patch import BugProbe, Patch
     from .probing import Answer
     from .settings import Settings
 
@@ -90,7 +92,7 @@ class Entry:
         "waiting_probes", "stepped_aside",
     )  # fmt: skip
 
-    def __init__(self, declared: Declared, active: bool, sequence: int = 0) -> None:
+    def __init__(self, declared: Listing, active: bool, sequence: int = 0) -> None:
         self.declared = declared
         self.patch: Patch | None = None  # loaded on the first target import (or a status)
         self.sequence = sequence  # when it registered: with its place, where its parts sit (shim.order.rank)
@@ -128,6 +130,11 @@ class Entry:
         if self.patch is None:
             self.patch = self.declared.load()
         return self.patch
+
+    def _gated(self) -> Patch | Listing:
+        """What its gate is read from: its record, or its Patch where the record holds none (a
+        pack's: this imports its module)."""
+        return self.declared if self.declared.requires is not None else self.load()
 
     # -- what the user asks ---------------------------------------------------------------------
 
@@ -194,16 +201,12 @@ class Entry:
             variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
             self._set(DISABLED, f"opted out with {variable}")
             return Progress(None)
-        if not self.declared.modules:  # a pack that lists no target modules: its Patch says them (shim.packs)
-            try:
-                self.load()
-            except Exception as exc:
-                self._give_up(FAILED, unloadable(exc))
-                return Progress(unloadable(exc))
         todo = [m for m in self.declared.modules if m not in self.done_modules]
         now = [m for m in todo if ready(m)]
         try:
             now, needed = self._probe(now, ready, settings.probe)
+        except Unfinished as unfinished:  # its module imports its own target: it applies once that module is done
+            return Progress(None, (*todo, unfinished.module))
         except Exception as exc:  # a pack's module that cannot be imported
             self._give_up(FAILED, unloadable(exc))
             return Progress(unloadable(exc))
@@ -243,7 +246,9 @@ class Entry:
             from .gating import gate
 
             try:
-                skip = gate(self.declared, forced).skip  # a pack's gate is in its Patch: this imports it
+                skip = gate(self._gated(), forced).skip
+            except Unfinished:  # asked from inside its own module's import: decided once that is done
+                return
             except Exception as exc:
                 self._give_up(FAILED, unloadable(exc))
                 return
@@ -277,7 +282,7 @@ class Entry:
 
     def shown(self) -> tuple[State, str]:
         """The state and reason as a status shows them: a pending patch outside its gate, not
-        decided yet, shows as skipped (``gating.pending``), as a refresh will record it."""
+        decided yet, shows as skipped, as a refresh will record it."""
         if self.state is PENDING and self.gate is None and not self.layers and not self.waiting_probes:
             skip, why = self._gate_now()
             if skip:
@@ -309,7 +314,9 @@ class Entry:
         from .gating import gate
 
         try:
-            found = gate(self.declared, self.forced)
+            found = gate(self._gated(), self.forced)
+        except Unfinished as unfinished:
+            return False, str(unfinished)
         except Exception as exc:  # a pack's module that cannot be imported (its gate is in it)
             return True, unloadable(exc)
         return (True, found.skip) if found.skip is not None else (False, found.versions.reason)
@@ -336,7 +343,7 @@ class Entry:
         if askable and self.layers:  # wrapped while they waited: the answers decide now
             self._step_aside_where_fixed(patch)
         needed = [m for probe, _ in self.waiting_probes.values() for m in probe.needs if not ready(m)]
-        if patch.distribution in self.waiting_probes and gating.gate(self.declared, self.forced).skip is not None:
+        if patch.distribution in self.waiting_probes and gating.gate(patch, self.forced).skip is not None:
             return [], needed  # outside the gate: the probe may yet find the bug there, so the targets wait
         return now, needed
 
@@ -408,7 +415,7 @@ class Entry:
         problem = self._probe_problem() if strict else None
         if problem is not None:
             return FAILED, problem
-        self.gate = gating.with_answers(gating.gate(self.declared, self.forced), patch, self.answers)
+        self.gate = gating.with_answers(gating.gate(patch, self.forced), patch, self.answers)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip
         resolution = gating.resolve_targets(patch, module_names, self.gate, self._aside())
@@ -540,10 +547,8 @@ def _importable(ready: Callable[[str], bool]) -> Callable[[str], bool]:
 
 
 def unloadable(exc: Exception) -> str:
-    """Why a patch's declaration cannot be had (a pack's error says all; a module's is quoted)."""
-    from .settings import PackError
-
-    return str(exc) if isinstance(exc, PackError) else f"the patch module cannot be imported: {exc!r}"
+    """Why a patch's declaration cannot be had (its record's error says all; any other is quoted)."""
+    return str(exc) if isinstance(exc, ImportError) else f"the patch module cannot be imported: {exc!r}"
 
 
 def _applies_when(modules: list[str], again: bool = False) -> str:

@@ -29,8 +29,9 @@ from .ranges import version_range
 from .settings import PROBE_MODES
 
 if TYPE_CHECKING:
+    from .catalogue import Listing
     from .layers import Resolved
-    from .patch import Declared, Patch, Target
+    from .patch import Patch, Target
     from .probing import Answer
 
 
@@ -203,10 +204,11 @@ class Gate(NamedTuple):
     reason: str  # what the status says when it applies
 
 
-def gate(declared: Declared, forced: bool) -> Gate:
-    """The patch's version gate. ``SHIM_FORCE`` lets a patch apply outside it, not where its
-    distribution is missing or its version cannot be read."""
-    versions = check_versions(declared.distribution, specifier_set(declared.requires))
+def gate(declared: Patch | Listing, forced: bool) -> Gate:
+    """The patch's version gate, from its Patch or its record (one that holds it: ``Entry._gated``).
+    ``SHIM_FORCE`` lets a patch apply outside it, not where its distribution is missing or its
+    version cannot be read."""
+    versions = check_versions(declared.distribution or "", specifier_set(declared.requires or ""))
     if versions.admitted:
         return Gate(versions, None, versions.reason)
     if forced and versions.gated_as is not None:
@@ -227,16 +229,6 @@ def with_answers(by_release: Gate, patch: Patch, answers: Mapping[str, Answer]) 
     if answer.present:
         return Gate(by_release.versions, None, f"{by_release.versions.reason}, but {said}")
     return by_release._replace(skip=f"{by_release.skip}; {said}")
-
-
-def pending(declared: Declared, reason: str, forced: bool) -> tuple[bool, str, str | None]:
-    """How a patch still pending shows (skipped?, reason, installed version), in ``shim.status()``
-    and in the log alike: outside its gate it is skipped, even where its target module does not
-    exist in that release; its hooks stay, so ``SHIM_FORCE`` set later still applies it."""
-    found = gate(declared, forced)
-    if found.skip is not None:
-        return True, found.skip, found.versions.installed
-    return False, f"{reason}; {found.versions.reason}", found.versions.installed
 
 
 class Problem(NamedTuple):

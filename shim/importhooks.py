@@ -11,8 +11,12 @@ because of three measured problems with it in this role:
   importing ``transformers`` and another importing ``transformers.modeling_utils`` can deadlock.
   This finder asks the finders after it directly, with the ``path`` the import system gave it.
 - wrapt calls a hook at once for a module that is in ``sys.modules`` but still executing (another
-  thread is importing it); the patch then finds its target missing and is skipped for good. Here
-  a small daemon thread watches such a module and fires its hooks once it has finished.
+  thread is importing it, or this one, further up the stack); the patch then finds its target
+  missing and is skipped for good. Here its hooks fire once it has finished, in the importing
+  thread, before that import returns: importlib marks the end of a module's body on its spec
+  (``spec._initializing = False``), which the shim watches for that one module (:class:`_Ending`).
+  A module whose spec is of another kind, or that is not in ``sys.modules`` yet, is watched by a
+  small daemon thread instead.
 
 Hooks run in the importing thread, while the module's import lock is still held, and outside
 this module's own lock. Every hook of a module runs even if one raises; the first exception then
@@ -39,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from importlib.machinery import ModuleSpec
 from typing import Any
 
 from .forks import fork_safe_lock
@@ -138,7 +143,8 @@ def when_imported(name: str, hook: Hook) -> None:
             _hooks.setdefault(name, []).append(hook)
             # Another thread is executing it, or importing it past this finder (it had asked the
             # finders before this hook existed): watch it. Any other import comes through here.
-            if name not in _through_us and name not in _watchers and (module is not None or _importing(name)):
+            waiting = name in _through_us or name in _watchers or name in _ending
+            if not waiting and (module is not None or _importing(name)):
                 _start_watcher(name, module, None)
             return
     hook(module)
@@ -179,7 +185,7 @@ def sweep(when: str) -> None:
             module = sys.modules[name]
             if not executing(module):
                 due.append((module, _hooks.pop(name), _note(name, module, when)))
-            elif name not in _watchers:  # applied once it has finished
+            elif name not in _watchers and name not in _ending:  # applied once it has finished
                 _start_watcher(name, module, _note(name, module, f"the end of its import (noticed at {when})"))
     errors = [error for module, hooks, note in due if (error := _run(module, hooks, note)) is not None]
     if errors:
@@ -200,7 +206,36 @@ def _note(name: str, module: Any, when: str) -> str:
     )
 
 
+class _Ending(ModuleSpec):
+    """The spec of a module whose import is running, while its hooks wait: importlib sets
+    ``_initializing`` to false on it right after the module's body (in a ``finally``, with the
+    module back in ``sys.modules`` where the body succeeded), in the importing thread. The spec
+    goes back to its own class then."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name == "_initializing" and not value:
+            self.__class__ = ModuleSpec  # type: ignore[assignment]  # its own class, as it was
+            with _lock:
+                _ending.discard(self.name)
+            module = sys.modules.get(self.name)
+            if module is not None and getattr(module, "__spec__", None) is self:  # not a failed import
+                _fire(module, late=_ending_notes.pop(self.name, None))
+
+
+_ending: set[str] = set()  # modules whose spec is an _Ending
+_ending_notes: dict[str, str | None] = {}
+
+
 def _start_watcher(name: str, module: Any, note: str | None) -> None:
+    """Fire ``name``'s hooks once its import has finished: at the end of its body where its spec
+    allows (:class:`_Ending`), else from a daemon thread."""
+    spec = getattr(module, "__spec__", None)
+    if type(spec) is ModuleSpec:
+        _ending.add(name)
+        _ending_notes[name] = note
+        spec.__class__ = _Ending
+        return
     watcher = threading.Thread(target=_watch, args=(name, module, note), name=f"shim: waits for {name}", daemon=True)
     _watchers[name] = watcher
     watcher.start()
@@ -238,15 +273,6 @@ def _watch(name: str, module: Any, note: str | None) -> None:
     finally:
         with _lock:
             _watchers.pop(name, None)
-
-
-def wait(timeout: float = 10.0) -> bool:
-    """Wait until no module is being watched; whether that happened within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while _watchers and time.monotonic() < deadline:
-        for watcher in list(_watchers.values()):  # a copy made without releasing the GIL
-            watcher.join(max(0.0, deadline - time.monotonic()))
-    return not _watchers
 
 
 def finished(name: str) -> bool:

@@ -22,8 +22,8 @@ Loaded by ``import shim`` (a registered patch's rank is two integers); nothing h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 #: Where a patch's parts can sit among the others on a target, innermost (next to upstream) first.
 PLACES = ("innermost", "", "outermost")
@@ -133,6 +133,58 @@ def stacking_order(patches: Sequence[T]) -> list[T]:
         left = {name: names - done for name, names in inside.items() if name not in done}
         raise OrderError(f"the after= declarations form a cycle: {' -> '.join(_cycle(left))}")
     return sorted(ordered, key=lambda patch: PLACES.index(patch.place))  # a stable sort: topology kept
+
+
+class Settled(NamedTuple):
+    """The patch packs in the order they register (:func:`settle`), those refused and why, and the
+    constraints dropped from each, in words."""
+
+    ordered: list[Any]
+    refused: dict[str, str]
+    dropped: dict[str, list[str]]
+
+
+def settle(packs: Sequence[T], placed: Mapping[str, str], left_out: Collection[str] = ()) -> Settled:
+    """The one order of ``packs`` among themselves and the patches already ``placed`` (name ->
+    place: the built-ins), decided from their records before any of their modules is imported:
+    each after the patches its ``after`` names, ties as given (``sys.path`` order).
+
+    A pack is refused (one problem each, its own) where its ``after`` names a patch whose place sits
+    outside its own, or where it sits in a cycle of ``after`` declarations; an ``after`` that names
+    a patch that is not there, or was refused (here, or before: ``left_out``), is dropped (said in
+    ``dropped``), not the pack."""
+    refused: dict[str, str] = {}
+    dropped: dict[str, list[str]] = {patch.name: [] for patch in packs}
+    position = {patch.name: index for index, patch in enumerate(packs)}
+    while True:
+        live = [patch for patch in packs if patch.name not in refused]
+        places = {**placed, **{patch.name: patch.place for patch in live}}
+        inside: dict[str, set[str]] = {}
+        for patch in live:
+            inside[patch.name] = set()
+            for name in after_of(patch):
+                if name not in places:
+                    gone = "was refused" if name in refused or name in left_out else "is not installed"
+                    note = f"declared after {name!r}, which {gone}: that constraint is dropped"
+                    if note not in dropped[patch.name]:
+                        dropped[patch.name].append(note)
+                elif PLACES.index(places[name]) > PLACES.index(patch.place):
+                    refused[patch.name] = (
+                        f"its place ({_shown(patch.place)}) and its after= {name!r} ({_shown(places[name])}, "
+                        "which sits outside it) contradict each other: drop one of the two declarations"
+                    )
+                elif name not in placed:  # another pack, wherever it is in the list
+                    inside[patch.name].add(name)
+        if any(patch.name in refused for patch in live):
+            continue  # said in the loop: look again without it
+        ordered = _inward_first(live, inside, lambda patch: (position[patch.name],))
+        if len(ordered) == len(live):
+            return Settled(ordered, refused, {name: notes for name, notes in dropped.items() if notes})
+        done = {patch.name for patch in ordered}
+        waiting = {name: names - done for name, names in inside.items() if name not in done}
+        cycle = _cycle(waiting)
+        for name in cycle[:-1]:
+            refused[name] = f"its after= declarations form a cycle: {' -> '.join(cycle)}"
 
 
 def _cycle(waiting: Mapping[str, set[str]]) -> list[str]:

@@ -4,7 +4,7 @@ Another library (unsloth, axolotl, a team's own monkey patch) may have replaced 
 after the shim wrapped it, wrapped it again on top, or fix the same bug its own way. This room finds
 them (:class:`Other`: bypassed, above, below, same fix) and logs each once per process (a warning
 where the fix does not run), when it is asked: a status (``python -m shim``, doctor, the exit
-report), ``shim.notice_others()``, and an apply while the ``shim`` logger shows DEBUG
+report), and an apply while the ``shim`` logger shows DEBUG
 (``SHIM_LOG_LEVEL=DEBUG``). Applying a patch never comes here otherwise: what decides behaviour
 there (a layer replaced by a reload, or by someone else) is ``shim.layers``'.
 
@@ -27,8 +27,9 @@ import wrapt
 from . import wrapping
 
 if TYPE_CHECKING:
+    from .catalogue import Listing
     from .layers import Layer, Layers
-    from .patch import Declared, Patch
+    from .patch import Patch
 
 
 class Looked(Protocol):
@@ -52,7 +53,7 @@ PLATFORM = frozenset({"torch", "builtins", "functools"})
 _upstream: set[str] = set(PLATFORM)
 
 
-def note_upstream(registered: Iterable[Declared]) -> None:
+def note_upstream(registered: Iterable[Listing]) -> None:
     """Count the packages of the ``registered`` patches' target modules as upstream's."""
     _upstream.update(name.partition(".")[0] for declared in registered for name in declared.modules)
 

@@ -1,8 +1,9 @@
 """Patch packs: patches that other distributions declare in the entry-point group ``hf_train_shim.patches``.
 
 A pack declares each patch as an entry point whose name is the patch's name and whose value points at
-its :class:`shim.Patch`, and lists the modules each patch targets in a second group, which
-``python -m shim pack-index`` writes from the patches themselves::
+its :class:`shim.Patch`; its record, the rest of what the registry needs before importing anything
+(``shim.catalogue.Listing``), sits beside it in two more groups, which ``python -m shim pack-index``
+writes from the patches themselves::
 
     [project.entry-points."hf_train_shim.patches"]
     my-fix = "my_pack.fixes:PATCH"
@@ -10,62 +11,67 @@ its :class:`shim.Patch`, and lists the modules each patch targets in a second gr
     [project.entry-points."hf_train_shim.targets"]
     "my-fix.transformers.trainer_utils" = "transformers.trainer_utils"
 
-Laziness, as for the built-ins: ``import shim`` reads the pack's metadata and imports nothing of it.
-A patch's module is imported when one of its target modules is (or when a status asks for its
-summary and gate, as it does a built-in's); a patch switched off (``SHIM_DISABLE=all`` or by name)
-never has its module imported. A pack without the second group says nothing of its targets: its
-module is imported when the shim activates (``import shim``), unless the patch is switched off, and
-its status says so.
+    [project.entry-points."hf_train_shim.order"]    # only for a patch with a place or an after=
+    "my-fix.after.other-fix" = "my_pack.fixes"
+    "my-fix.place.outermost" = "my_pack.fixes"
 
-Discovery reads each distribution's ``entry_points.txt`` itself, the file
-``importlib.metadata.entry_points()`` reads: importing ``importlib.metadata`` and letting it parse
-every distribution's metadata would cost every ``import shim`` 16-34 ms, pack or not, where this
-costs a directory listing per ``sys.path`` entry and one small read per distribution
-(docs/performance.md, "Patch packs at import"). What it keeps identical to ``importlib.metadata``:
+Every value is an object reference and every name free of ``=`` and ``[``, as setuptools'
+validation of ``pyproject.toml`` requires; so a version range, which needs ``=``, cannot be written
+there: a pack's gate is read from its ``Patch`` once its module is imported, which happens only when
+one of its target modules is (or a status asks), as for a built-in.
 
-- the folders: every ``*.dist-info`` and ``*.egg-info`` folder directly in each ``sys.path`` entry
-  (``""`` is the current directory), in ``sys.path`` order;
-- shadowing: a distribution found twice counts where it is found first on ``sys.path``;
-- name normalisation: names are compared lower case with runs of ``-``, ``_`` and ``.`` as one;
-- the file: ``entry_points.txt``, an INI file, ``name = value`` lines under ``[group]`` headers,
-  ``#`` and ``;`` comments.
+Laziness, as for the built-ins: ``import shim`` reads the pack's metadata and imports nothing of it,
+and decides there, for every pack at once, its name and its place in the one order (``shim.order``):
+a pack refused there (a name it cannot have, no record, an ``after=`` cycle, an ``after=`` against
+its place) is left out with one ``ShimWarning`` and its module never imported. A patch switched off
+(``SHIM_DISABLE=all`` or by name) never has its module imported.
 
-Where it differs, on purpose: zip archives on ``sys.path`` are not searched; only the two groups'
-sections are parsed; a file is read only if it is a regular file of at most :data:`LIMIT` bytes,
-as UTF-8. A distribution whose ``entry_points.txt``, ``METADATA`` or ``PKG-INFO`` breaks one of those
-rules (bytes that are not UTF-8, a huge file, a FIFO or a folder where a file should be) is left
-out, with one ``ShimWarning`` where it declares the group and silence where it does not (a huge
-``entry_points.txt`` is searched for the group in its first :data:`LIMIT` bytes only; a file that
-is not a regular one is never opened for reading, so nothing hangs).
+Discovery lists each ``sys.path`` entry and reads, of each distribution there, its
+``entry_points.txt`` as bytes, looking for the group's name: most distributions declare no pack, and
+this costs a directory listing per entry and one small read per distribution, where
+``importlib.metadata.entry_points(group=...)`` parses every distribution's metadata (measured with 104
+distributions: 1.6 ms against 5.5 ms; docs/performance.md, "Patch packs at import"). A distribution
+that declares the group is handed to ``importlib.metadata`` (``PathDistribution``), which parses it;
+a zip archive on ``sys.path`` (a PEX) is searched by ``importlib.metadata`` alone. As with
+``importlib.metadata``: every ``*.dist-info`` and ``*.egg-info`` folder directly in each entry
+(``""`` is the current directory), in ``sys.path`` order; a distribution found twice counts where it
+is found first, names compared lower case with runs of ``-``, ``_`` and ``.`` as one.
+
+A file is read only if it is a regular file of at most :data:`LIMIT` bytes, as UTF-8. A distribution
+whose ``entry_points.txt``, ``METADATA`` or ``PKG-INFO`` breaks one of those rules (bytes that are not
+UTF-8, a huge file, a FIFO or a folder where a file should be) is left out, with one ``ShimWarning``
+where it declares the group and silence where it does not (a huge ``entry_points.txt`` is searched for
+the group in its first :data:`LIMIT` bytes only; a file that is not a regular one is never opened for
+reading, so nothing hangs).
 
 Fail-safe: an entry point whose module cannot be imported (it raises anything, ``SystemExit``
-included; ``KeyboardInterrupt`` passes through), whose value is no ``shim.Patch`` (or names another
-patch), whose targets are not the ones its metadata lists, or whose name is a built-in's or an
-earlier pack's is left out with one ``ShimWarning`` naming the distribution and the entry point;
-everything else keeps working. With ``SHIM_STRICT=1`` it raises :class:`shim.PatchError` instead.
-A built-in is never replaced by a pack.
+included; ``KeyboardInterrupt`` passes through), whose value is no ``shim.Patch``, whose record is
+stale (the Patch's name, targets, place or ``after`` differ from it), or whose name is a built-in's or
+an earlier pack's is left out with one ``ShimWarning`` naming the distribution, the entry point and
+the fix; everything else keeps working. With ``SHIM_STRICT=1`` it raises :class:`shim.PatchError`
+instead. A built-in is never replaced by a pack.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from . import importhooks, settings
+from . import order, settings
+from .catalogue import PACK_REWRITE, Listing, pack_message
 
 if TYPE_CHECKING:
-    from .patch import Patch
     from .registry import Registry  # packs.load registers into it; the registry never imports this
 
 #: The entry-point group a pack declares its patches in.
 GROUP = "hf_train_shim.patches"
 #: The entry-point group a pack lists its patches' target modules in (``python -m shim pack-index``).
 TARGETS = "hf_train_shim.targets"
+#: The entry-point group a pack lists its patches' places and ``after`` in (``python -m shim pack-index``).
+ORDER = "hf_train_shim.order"
 #: The most bytes read of one metadata file; a larger one is not a pack's.
 LIMIT = 1 << 20
 _MARK = GROUP.encode()
@@ -80,136 +86,24 @@ class Unreadable(Exception):
         self.why, self.declares = why, declares
 
 
-class Found:
-    """One entry point of :data:`GROUP`, as a distribution's ``entry_points.txt`` declares it, with
-    the target modules its :data:`TARGETS` section lists (``None`` where it lists none)."""
-
-    __slots__ = ("name", "value", "folder", "distribution", "version", "modules")
-
-    def __init__(self, name: str, value: str, folder: str, identity: tuple[str, str], modules: tuple[str, ...] | None):
-        self.name = name  # the patch's name
-        self.value = value  # module:attribute
-        self.folder = folder  # the distribution's .dist-info or .egg-info folder
-        self.distribution, self.version = identity  # from its metadata
-        self.modules = modules
-
-    @property
-    def module(self) -> str:
-        """The module that declares the patch (its docstring is what ``explain`` prints)."""
-        return self.value.partition(":")[0].strip()
-
-    @property
-    def attribute(self) -> str:
-        """The Patch's name in :attr:`module`, a dotted path."""
-        return self.value.partition(":")[2].strip()
-
-    def __str__(self) -> str:
-        return f"{self.name} = {self.value}"
-
-    def __repr__(self) -> str:
-        return f"<Found {self} of {self.distribution} {self.version}>"
-
-
-class Pack:
-    """A pack's patch as a registry knows it (``shim.patch.Declared``): its name and target modules
-    from the pack's metadata, the rest from its :class:`Patch`, whose module :meth:`load` imports.
-    ``place`` and ``after`` are its Patch's once loaded (the registry checks the order then), in
-    between and none before; ``distribution`` and ``requires``, its gate, load it. ``foreign``: its module is another
-    distribution's, which a status imports only where the patch is not switched off."""
-
-    __slots__ = ("found", "patch", "problem", "_check")
-    foreign = True
-
-    def __init__(self, found: Found, check: Callable[[Patch], None]) -> None:
-        self.found = found
-        self.patch: Patch | None = None  # loaded
-        self.problem = ""  # why it cannot be loaded, once tried
-        self._check = check  # the registry's order check
-
-    @property
-    def name(self) -> str:
-        return self.found.name
-
-    @property
-    def provider(self) -> str:  # PatchStatus.provider
-        return self.found.distribution
-
-    @property
-    def version(self) -> str:
-        return self.found.version
-
-    @property
-    def module(self) -> str:
-        return self.found.module
-
-    @property
-    def entry_point(self) -> str:
-        return str(self.found)
-
-    @property
-    def note(self) -> str:
-        """What its status adds to the reason: where its module was imported without a target."""
-        if self.found.modules is None and self.patch is not None:
-            return f"the pack lists no target modules, so {self.module} was imported when the shim started"
-        return ""
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        """The target modules: as the pack lists them, else as its Patch declares them (``()`` before
-        its module is imported)."""
-        if self.found.modules is not None:
-            return self.found.modules
-        return self.patch.modules if self.patch is not None else ()
-
-    @property
-    def place(self) -> str:  # its order (shim.order)
-        return self.patch.place if self.patch is not None else ""
-
-    @property
-    def after(self) -> tuple[str, ...]:
-        return self.patch.after if self.patch is not None else ()
-
-    @property
-    def distribution(self) -> str:
-        return self.load().distribution
-
-    @property
-    def requires(self) -> str:
-        return self.load().requires
-
-    def load(self) -> Patch:
-        """The pack's Patch, its module imported the first time; a :class:`PackError` (after one
-        ``ShimWarning``) where it cannot be had."""
-        if self.patch is not None:
-            return self.patch
-        if not self.problem:
-            patch, self.problem = _patch(self.found)
-            if patch is not None:
-                self.problem = _checked(patch, self.found, self._check)
-            if patch is not None and not self.problem:
-                self.patch = patch
-                return patch
-            _left_out(self.found, self.problem, strict=False)  # strict mode raises where the patch applies
-        raise settings.PackError(_message(self.found, self.problem))
-
-    def __repr__(self) -> str:
-        return f"<Pack {self.name} from {self.provider} {self.version}>"
-
-
 # -- finding them ----------------------------------------------------------------------------------
 
 
-def found(paths: Iterable[str] | None = None) -> list[Found]:
-    """Every entry point of :data:`GROUP` of the distributions in ``paths`` (default: ``sys.path``),
-    in ``sys.path`` order and, within a folder, by name. A distribution that breaks the rules of
-    discovery is left out (the module docstring)."""
+def found(paths: Iterable[str] | None = None) -> list[Listing]:
+    """The record of every entry point of :data:`GROUP` of the distributions in ``paths`` (default:
+    ``sys.path``), in ``sys.path`` order and, within a folder, by name; a patch with no target
+    modules listed has ``modules == ()``. A distribution that breaks the rules of discovery is left
+    out (the module docstring)."""
     seen: set[str] = set()
-    out: list[Found] = []
+    out: list[Listing] = []
     for entry in sys.path if paths is None else paths:
         folder = entry or os.curdir
         try:
             names = sorted(os.listdir(folder))
-        except OSError:  # not a directory (a zip archive) or not there
+        except NotADirectoryError:  # a zip archive (a PEX): importlib.metadata reads it
+            out += _in_archive(folder, seen)
+            continue
+        except OSError:  # not there
             continue
         for name in names:
             if not name.endswith((".dist-info", ".egg-info")):
@@ -222,32 +116,78 @@ def found(paths: Iterable[str] | None = None) -> list[Found]:
     return out
 
 
-def _declared(metadata: str) -> list[Found]:
-    """The entry points of :data:`GROUP` of one distribution's metadata folder; ``[]`` where it has
-    none, or where it is left out (with one warning where it declares the group)."""
+def _declared(metadata: str) -> list[Listing]:
+    """The records of one distribution's metadata folder; ``[]`` where it declares no pack, or where it
+    is left out (with one warning where it declares the group)."""
     try:
-        text = read(os.path.join(metadata, "entry_points.txt"), _MARK)
+        for file_name, mark in (("entry_points.txt", _MARK), ("METADATA", b""), ("PKG-INFO", b"")):
+            try:
+                if read(os.path.join(metadata, file_name), mark) is None and mark:
+                    return []  # most distributions declare no entry point at all, or none of this group
+            except Unreadable as problem:
+                declares = problem.declares or not mark  # its METADATA is read once the group was seen
+                raise Unreadable(f"its {file_name} {problem.why}", declares) from None
     except Unreadable as problem:
         if problem.declares:
-            _left_out_distribution(metadata, f"its entry_points.txt {problem.why}")
+            _left_out_distribution(metadata, problem.why)
         return []
-    if text is None:  # most distributions declare no entry point at all, or none of this group
-        return []
-    sections = _sections(text, (GROUP, TARGETS))
-    if not sections[GROUP]:
-        return []
+    import importlib.metadata
+    import pathlib
+
     try:
-        identity = _identity(metadata)
-    except Unreadable as problem:
-        _left_out_distribution(metadata, problem.why)
+        return _records(importlib.metadata.PathDistribution(pathlib.Path(metadata)))
+    except Exception as exc:  # importlib.metadata refuses a line it cannot parse
+        _left_out_distribution(metadata, f"its entry points cannot be read ({exc!r})")
         return []
-    modules: dict[str, list[str]] = {}
-    for key, module in sections[TARGETS]:
-        modules.setdefault(key.partition(".")[0], []).append(module)
-    return [
-        Found(name, value, metadata, identity, tuple(modules[name]) if name in modules else None)
-        for name, value in sections[GROUP]
-    ]
+
+
+def _in_archive(archive: str, seen: set[str]) -> list[Listing]:
+    """The records of the distributions in a zip archive on ``sys.path``."""
+    import importlib.metadata
+
+    out = []
+    try:
+        for distribution in importlib.metadata.distributions(path=[archive]):
+            key = normalized(distribution.metadata["Name"] or "")
+            if key and key not in seen:
+                seen.add(key)
+                out += _records(distribution)
+    except Exception as exc:  # a broken archive: never the user's import
+        _left_out_distribution(archive, f"its distributions cannot be read ({exc!r})")
+    return out
+
+
+def _records(distribution: Any) -> list[Listing]:
+    """The records of one distribution's entry points: each of :data:`GROUP`, with its target modules
+    (:data:`TARGETS`: ``<patch>.<module>``) and its order (:data:`ORDER`: ``<patch>.place.<place>``,
+    ``<patch>.after.<patch>``)."""
+    points = distribution.entry_points
+    listed: dict[str, dict[str, list[str]]] = {}
+    for point in points.select(group=TARGETS):
+        listed.setdefault(point.name.partition(".")[0], {}).setdefault("modules", []).append(point.value.strip())
+    for point in points.select(group=ORDER):
+        patch, _, rest = point.name.partition(".")
+        field, _, value = rest.partition(".")
+        listed.setdefault(patch, {}).setdefault(field, []).append(value)
+    fields = distribution.metadata
+    provider, version = fields["Name"] or "?", fields["Version"] or "?"
+    out = []
+    for point in points.select(group=GROUP):
+        module, _, attribute = point.value.partition(":")
+        record = listed.get(point.name, {})
+        out.append(
+            Listing(
+                point.name,
+                module.strip(),
+                tuple(record.get("modules", ())),
+                attribute=attribute.strip(),
+                provider=provider,
+                version=version,
+                place=(record.get("place") or [""])[-1],
+                after=tuple(record.get("after", ())),
+            )
+        )
+    return out
 
 
 def read(path: str, mark: bytes = b"") -> str | None:
@@ -283,21 +223,6 @@ def read(path: str, mark: bytes = b"") -> str | None:
         raise Unreadable(f"is not UTF-8 (byte {exc.start})") from None
 
 
-def _sections(text: str, groups: tuple[str, ...]) -> dict[str, list[tuple[str, str]]]:
-    """The ``(name, value)`` pairs of ``groups`` in the text of an ``entry_points.txt``; the lines of
-    any other section are not looked at beyond their first character."""
-    out: dict[str, list[tuple[str, str]]] = {group: [] for group in groups}
-    into: list[tuple[str, str]] | None = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("["):
-            into = out.get(line[1:-1].strip()) if line.endswith("]") else None
-        elif into is not None and line and not line.startswith(("#", ";")):
-            name, _, value = line.partition("=")
-            into.append((name.strip(), value.strip()))
-    return out
-
-
 def normalized(name: str) -> str:
     """A distribution's name as ``importlib.metadata`` compares them: lower case, runs of ``-``, ``_``
     and ``.`` as one ``-``."""
@@ -310,130 +235,65 @@ def _named_in(folder_name: str) -> tuple[str, str]:
     return name, version.partition("-")[0]
 
 
-def _identity(folder: str) -> tuple[str, str]:
-    """``Name`` and ``Version`` of a distribution's metadata (its folder's name where they are
-    missing); raises :class:`Unreadable` where the file breaks the rules of discovery."""
-    name, version = _named_in(os.path.basename(folder))
-    fields = {"name": name, "version": version or "?"}
-    for file_name in ("METADATA", "PKG-INFO"):
-        try:
-            text = read(os.path.join(folder, file_name))
-        except Unreadable as problem:
-            raise Unreadable(f"its {file_name} {problem.why}") from None
-        if text is None:
-            continue
-        for line in text.splitlines():
-            if not line.strip():  # the end of the headers
-                break
-            key, _, value = line.partition(":")
-            if key.lower() in fields:
-                fields[key.lower()] = value.strip()
-        break
-    return fields["name"], fields["version"]
-
-
 # -- handing them to the registry ------------------------------------------------------------------
 
 
 def load(registry: Registry, paths: Iterable[str] | None = None) -> None:
-    """Register with ``registry`` the patch of each installed pack, in :func:`found`'s order, none of
-    their modules imported (the registry imports one when it needs it: :class:`Pack`). An entry
-    point whose name is taken (a built-in's, or an earlier pack's) or no patch name is left out
-    with one ``ShimWarning``; with ``SHIM_STRICT=1`` it raises :class:`shim.PatchError`.
-
-    A pack's module that is being imported right now (it was imported before the shim, and
-    imported the shim at its top, as the pack's own tests do) holds no ``Patch`` yet: it joins
-    once its import has finished (``importhooks.when_imported``: a watcher, or at the latest the
-    next ``shim.status()``, ``activate()`` or ``enable()``)."""
-    entries = found(paths)
-    if not entries:  # the usual case: nothing else is imported
+    """Register with ``registry`` the record of each installed pack's patch, in the one order decided
+    over all of them (``shim.order.settle``), none of their modules imported (the registry imports
+    one when it needs it: ``shim.catalogue.Listing.load``). A record refused here (a name it cannot
+    have, no target modules listed, an ``after=`` cycle or one against its place) is left out with
+    one ``ShimWarning``; with ``SHIM_STRICT=1`` it raises :class:`shim.PatchError`."""
+    records = found(paths)
+    if not records:  # the usual case: nothing else is imported
         return
-    claimed: dict[str, Found] = {}
+    claimed: dict[str, Listing] = {}
     taken = registry.names
-    for entry in entries:
-        problem = _claim(entry, taken, claimed)
+    left_out = set()
+    for record in records:
+        problem = _claim(record, taken, claimed)
         if problem is not None:
-            _left_out(entry, problem)
-            continue
-        claimed[entry.name] = entry
-        pack = Pack(entry, registry.check_order)
-        module = sys.modules.get(entry.module)
-        if module is not None and importhooks.executing(module):
-            importhooks.when_imported(entry.module, functools.partial(_join_when_imported, pack, registry.register))
+            _left_out(record, problem)
+            left_out.add(record.name)
         else:
-            registry.register(pack)
+            claimed[record.name] = record
+    places = {name: registry.declared(name).place for name in taken}
+    settled = order.settle(list(claimed.values()), places, left_out)
+    for name, problem in settled.refused.items():
+        _left_out(claimed[name], f"its place in the order cannot hold: {problem}")
+    for record in settled.ordered:
+        record.note = "; ".join(settled.dropped.get(record.name, ()))
+        registry.register(record, settled=True)
 
 
-def _join_when_imported(pack: Pack, join: Callable[[Pack], object], module: object) -> None:
-    join(pack)
-
-
-def _claim(entry: Found, taken: Iterable[str], claimed: dict[str, Found]) -> str | None:
-    """Why ``entry`` may not have its name, or ``None``: the name is decided before any module is imported."""
-    if not settings.PATCH_NAME.match(entry.name):
-        return f"{entry.name!r} is not a patch name (kebab-case, e.g. 'my-team-fix'): rename the entry point"
-    if not entry.module or not entry.attribute or "[" in entry.attribute:
-        return f"its value {entry.value!r} is not 'module:attribute': point it at the module's Patch"
-    if entry.name in taken:
+def _claim(record: Listing, taken: Iterable[str], claimed: dict[str, Listing]) -> str | None:
+    """Why ``record`` may not join, or ``None``: decided before any module is imported."""
+    if not settings.PATCH_NAME.match(record.name):
+        return f"{record.name!r} is not a patch name (kebab-case, e.g. 'my-team-fix'): rename the entry point"
+    if not record.module or not record.attribute or "[" in record.attribute:
+        return f"its value {record.entry_point.partition(' = ')[2]!r} is not 'module:attribute': point it at the module's Patch"
+    if not record.modules:
+        return f"its record lists no target modules ({TARGETS}): {PACK_REWRITE}"
+    if record.place not in order.PLACES:
+        return f"its record places it {record.place!r}, which is none of {', '.join(map(repr, order.PLACES))}: {PACK_REWRITE}"
+    if record.name in taken:
         return (
-            f"claims the name of the built-in patch {entry.name!r}, which a pack never replaces: rename the "
+            f"claims the name of the built-in patch {record.name!r}, which a pack never replaces: rename the "
             "entry point and its patch (or SHIM_DISABLE the built-in, if yours is meant to stand in for it)"
         )
-    first = claimed.get(entry.name)
+    first = claimed.get(record.name)
     if first is not None:
         return (
-            f"claims the name of {first.distribution} {first.version}'s patch {entry.name!r} ({first}), which "
-            f"was found first on sys.path and is kept: rename one of them"
+            f"claims the name of {first.provider} {first.version}'s patch {record.name!r} ({first.entry_point}), "
+            "which was found first on sys.path and is kept: rename one of them"
         )
     return None
 
 
-def _patch(entry: Found) -> tuple[Patch | None, str]:
-    """The ``shim.Patch`` an entry point names, or ``None`` and why not."""
-    from .patch import Patch  # only here, where a pack's patch is loaded: it imports ``packaging``
-
-    try:  # the value's shape is _claim's
-        value: object = importlib.import_module(entry.module)
-        for part in entry.attribute.split("."):
-            value = getattr(value, part)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # a broken pack (an argparse at its top exits): never the user's import
-        return None, f"cannot be imported ({exc!r}): fix the pack, or uninstall {entry.distribution}"
-    if not isinstance(value, Patch):
-        return None, f"is a {type(value).__name__}, not a shim.Patch: point the entry point at the pack's Patch"
-    if value.name != entry.name:
-        return None, f"names a patch called {value.name!r}: the entry point's name must be the patch's name"
-    return value, ""
-
-
-def _checked(patch: Patch, entry: Found, check: Callable[[Patch], None]) -> str:
-    """Why a loaded ``patch`` cannot join (its listed targets are stale, its order cannot hold), or ``""``."""
-    if entry.modules is not None and set(entry.modules) != set(patch.modules):
-        return (
-            f"its metadata lists the target modules {', '.join(entry.modules)}, its Patch targets "
-            f"{', '.join(patch.modules)}: run python -m shim pack-index in the pack and reinstall it"
-        )
-    from .order import OrderError
-
-    try:
-        check(patch)
-    except OrderError as exc:  # declared after a patch it cannot sit outside of (shim.order)
-        return f"its place in the order cannot hold: {exc}"
-    return ""
-
-
-def _message(entry: Found, problem: str) -> str:
-    return (
-        f"patch pack {entry.distribution} {entry.version}, entry point {GROUP} '{entry}': {problem}; "
-        "this patch is left out, the rest of the shim works"
-    )
-
-
-def _left_out(entry: Found, problem: str, strict: bool = True) -> None:
-    """Warn once that ``entry`` is left out; under ``SHIM_STRICT`` raise instead, where ``strict``."""
-    message = _message(entry, problem)
-    if strict and settings.flag("SHIM_STRICT"):
+def _left_out(record: Listing, problem: str) -> None:
+    """Warn once that ``record`` is left out; under ``SHIM_STRICT`` raise instead."""
+    message = pack_message(record, problem)
+    if settings.flag("SHIM_STRICT"):
         raise settings.PatchError(f"{message} (SHIM_STRICT=1)")
     settings.warn_once(message)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
@@ -284,26 +284,3 @@ class Patch:
 
 def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
-
-
-class Declared(Protocol):
-    """What a registry needs of a patch before applying it: a :class:`Patch`, a catalogue listing
-    (``shim.catalogue.Listing``) or a patch pack's (``shim.packs.Pack``), which import the patch's
-    module on :meth:`load`."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def distribution(self) -> str: ...
-
-    @property
-    def requires(self) -> str: ...
-
-    @property
-    def place(self) -> str: ...
-
-    @property
-    def modules(self) -> tuple[str, ...]: ...
-
-    def load(self) -> Patch: ...

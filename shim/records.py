@@ -17,8 +17,9 @@ from .entry import State, unloadable
 from .ranges import version_range
 
 if TYPE_CHECKING:
+    from .catalogue import Listing
     from .entry import Entry
-    from .patch import Declared, Patch
+    from .patch import Patch
 
 _PUBLIC = re.compile(r"^([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#(\d+)$")
 _OWN = "docs/bugs.md#"
@@ -78,8 +79,8 @@ def status_of(entry: Entry) -> PatchStatus:
         reason = f"{reason}; {missing}"
     # Its gate: the Patch's; where there is none, the catalogue's listing of a built-in (a module
     # that failed), and nothing for a pack's patch whose module is not imported.
-    gated: Declared | None = patch
-    if gated is None and not getattr(declared, "foreign", False):
+    gated: Patch | Listing | None = patch
+    if gated is None and not declared.foreign:
         gated = declared
     distribution = gated.distribution if gated is not None else ""
     installed = entry.installed_version or (gating.installed_version(distribution) if distribution else None)
@@ -109,7 +110,7 @@ def status_of(entry: Entry) -> PatchStatus:
         last_effect=runtime.last(declared.name),
         others=tuple(other._asdict() | {"text": other.text()} for other in found),
         suspended=entry.suspended > 0,
-        provider=getattr(declared, "provider", ""),  # a catalogue listing's or a pack's; a plain Patch has none
+        provider=declared.provider,
         decided_by=decided_by(entry),
         probe=tuple(answer.as_dict() for answer in entry.answers.values()) or None,
     )
@@ -131,15 +132,15 @@ def decided_by(entry: Entry) -> str:
 
 def _declaration(entry: Entry) -> tuple[Patch | None, str]:
     """The patch's declaration for its status, or ``None`` and what the reason adds: a pack's patch
-    that is switched off is not imported to be shown (``shim.packs.Pack.foreign``)."""
+    that is switched off is not imported to be shown (``shim.catalogue.Listing.foreign``)."""
     declared = entry.declared
-    if getattr(declared, "foreign", False) and entry.patch is None and entry.state is State.DISABLED:
+    if declared.foreign and entry.patch is None and entry.state is State.DISABLED:
         return None, "its module is not imported while it is switched off"
     try:
         patch = entry.load()
     except Exception as exc:  # reported, never raised: a status must always come back
         return None, "" if entry.state is State.FAILED else unloadable(exc)  # a failed one's reason says why
-    return patch, getattr(declared, "note", "")  # a pack's: where its module was imported
+    return patch, declared.note  # a pack's: an after= dropped at import shim
 
 
 def refused_by_a_probe(entry: Entry) -> bool:

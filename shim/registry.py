@@ -16,11 +16,12 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from . import forks, importhooks, order, settings
+from .catalogue import Listing
 from .entry import Entry
 from .settings import PatchError
 
 if TYPE_CHECKING:
-    from .patch import Declared, Patch
+    from .patch import Patch
     from .records import PatchStatus
     from .runtime import Switch
 
@@ -30,7 +31,7 @@ log = logging.getLogger("shim")
 class Registry:
     """An ordered set of patches and their state. ``shim`` keeps one for the built-in catalogue."""
 
-    def __init__(self, patches: Sequence[Declared] = ()) -> None:
+    def __init__(self, patches: Sequence[Patch | Listing] = ()) -> None:
         self._lock = forks.fork_safe_rlock()
         self._entries: dict[str, Entry] = {}
         self._hooks: dict[tuple[str, str], importhooks.Hook] = {}  # (patch, module or "reload:" + module) -> hook
@@ -39,46 +40,40 @@ class Registry:
         for patch in order.arrange(patches):
             self.register(patch)
 
-    def register(self, patch: Declared) -> Declared:
+    def register(self, patch: Patch | Listing, *, settled: bool = False) -> Patch | Listing:
         """Add ``patch``; if the registry is active it is applied now or on its targets' import.
         Its parts sit outside those of every patch registered before it in the same place
-        (``shim.order``); an ``after`` that cannot hold raises :class:`shim.order.OrderError`."""
+        (``shim.order``); an ``after`` that cannot hold raises :class:`shim.order.OrderError`.
+        ``settled``: its order was decided with its peers' already (``shim.packs``)."""
+        record = patch if isinstance(patch, Listing) else Listing.of(patch)
         with self._lock:
             existing = self._entries.get(patch.name)
             if existing is not None:
-                if existing.declared is patch or existing.load() == patch.load():
+                if existing.declared is patch or existing.load() == record.load():
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
-            self.check_order(patch)  # a pack's after is known, and checked, once its module is imported
-            self._entries[patch.name] = Entry(patch, active=self._active, sequence=len(self._entries))
+            if not settled:
+                self.check_order(record)
+            self._entries[patch.name] = Entry(record, active=self._active, sequence=len(self._entries))
             active = self._active
         if active:
             self._try_apply(patch.name)
         return patch
 
-    def check_order(self, patch: Declared) -> None:
+    def check_order(self, patch: Listing) -> None:
         """Raise :class:`shim.order.OrderError` where ``patch``'s ``after`` cannot hold among the patches
-        registered before it: :meth:`register` checks this, and a pack's patch, whose ``after`` is
-        known once its module is imported, is checked then."""
+        registered before it."""
         with self._lock:
-            names = list(self._entries)
-            before = names[: names.index(patch.name)] if patch.name in names else names
-            named = [name for name in order.after_of(patch) if name in before]
-            placed = {name: self._place_of(self._entries[name]) for name in named}
+            placed = {name: entry.declared.place for name, entry in self._entries.items() if name != patch.name}
         order.check_after(patch, placed)
-
-    @staticmethod
-    def _place_of(entry: Entry) -> str:
-        """A registered patch's place: a pack's is in its Patch (this imports its module)."""
-        return entry.load().place if getattr(entry.declared, "foreign", False) else entry.declared.place
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)
 
-    def declared(self, name: str) -> Declared:
-        """How patch ``name`` was registered: a built-in's catalogue listing, a patch pack's
-        ``shim.packs.Pack`` or the :class:`Patch` given to :meth:`register` (nothing is imported)."""
+    def declared(self, name: str) -> Listing:
+        """How patch ``name`` was registered: its record (``shim.catalogue.Listing``: a built-in's or a
+        patch pack's) or the :class:`Patch` given to :meth:`register` (nothing is imported)."""
         return self._entry(name).declared
 
     def patch(self, name: str) -> Patch:
@@ -177,16 +172,6 @@ class Registry:
             for entry in self._entries.values():
                 entry.refresh(entry.name in forced)
             return [status_of(entry) for entry in self._entries.values()]
-
-    def notice_others(self) -> None:
-        """Look for other patchers on the applied patches' targets now and log each new one once
-        (a warning where it bypasses a fix), without the walk over ``sys.modules`` a status makes.
-        A status, doctor and the exit report look by themselves, and the apply does where the
-        ``shim`` logger shows DEBUG; this is for a moment of your own. Never raises."""
-        with self._lock:
-            applied = [entry for entry in self._entries.values() if entry.layers]
-            if applied:
-                self._look_at(applied)
 
     def _look_at(self, entries: list[Entry]) -> None:
         """Name the other patchers on ``entries``' targets (lock held); never raises."""

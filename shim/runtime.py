@@ -119,7 +119,7 @@ def last(patch: str) -> str:
 
 
 def clear() -> None:
-    """Forget every count (tests; a long-lived process that wants a fresh report)."""
+    """Forget every count: a forked child starts its ledger over (below); the tests start each from empty."""
     with _lock:
         _counts.clear()
         _last.clear()

@@ -82,11 +82,6 @@ def find_layer(obj: object) -> Any:
     return wrapt.find_wrapper(obj, predicate=lambda entry: parts_of(entry) is not None)
 
 
-def find_shim_wrapper(obj: object, name: str) -> Any:
-    """The shim's layer in ``obj``'s wrapper chain if patch ``name`` has a part in it, or ``None``."""
-    return wrapt.find_wrapper(obj, predicate=lambda entry: name in patch_names_of(entry))
-
-
 class _BoundLayer(wrapt.BoundFunctionWrapper[Any, Any]):
     """A shim layer bound to an instance: to code that inspects it, the bound method it wraps.
 

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ..packs import GROUP, Pack
+from ..packs import GROUP
 from ..ranges import version_range
 from ..records import links
 from ..registry import Registry
@@ -49,7 +49,7 @@ def of_pack(registry: Registry, name: str) -> str | None:
     summary, where it comes from and its gate, the docstring of the module that declares it, and
     its references. ``None`` for a patch that is not a pack's."""
     declared = registry.declared(name)
-    if not isinstance(declared, Pack):
+    if not declared.foreign:
         return None
     try:
         patch = registry.patch(name)  # its module imported, where it was not (switched off, say)

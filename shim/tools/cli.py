@@ -355,7 +355,7 @@ def patch_list(registry: Registry) -> str:
             summary = registry.patch(name).summary
         except Exception as exc:  # a module that cannot be imported: say so, list the rest
             summary = f"(its module cannot be imported: {exc!r})"
-        provider = getattr(registry.declared(name), "provider", "")
+        provider = registry.declared(name).provider
         lines += fitted(name + (f"  (from {provider}, a patch pack)" if provider not in ("", PROVIDER) else ""), True)
         lines += fitted(summary, False, "    ", "    ")
     lines += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]

@@ -166,7 +166,7 @@ def run(registry: Registry, names: Sequence[str] = ()) -> list[Finding]:
 
 
 def _is_builtin(registry: Registry, name: str) -> bool:
-    return getattr(registry.declared(name), "provider", "") == BUILTIN
+    return registry.declared(name).provider == BUILTIN
 
 
 #: The order doctor's total counts the verdicts in (a "bypassed by ..." comes last).

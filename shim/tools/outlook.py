@@ -2,7 +2,7 @@
 that opens ``python -m shim`` and the state a pending patch shows there (``will apply``, ``will skip``).
 
 A pending patch is one whose target modules this process has not imported yet. The gates decide as
-the import will: the status reason already holds the patch's own gate (``shim.gating.pending``);
+the import will: the status reason already holds the patch's own gate (``Entry.shown``);
 what is left is each target's own requirement (``Target.requires``) and whether the library a target
 lives in is installed, read from the installed metadata and ``importlib.util.find_spec`` of the
 top-level package, which imports nothing. A target whose module is missing from an installed release
@@ -20,6 +20,7 @@ from ..entry import APPLIED, DISABLED, FAILED, PENDING
 from ..gating import check_versions, installed_version, specifier_set
 
 if TYPE_CHECKING:
+    from ..catalogue import Listing
     from ..patch import Patch
     from ..records import PatchStatus
     from ..registry import Registry
@@ -68,8 +69,11 @@ def outlook(record: PatchStatus, registry: Registry) -> Outlook:
         return Outlook(BROKEN, state, reason)
     if record.state is APPLIED:
         return Outlook(APPLIES, state, reason)
-    declared = registry.declared(record.name)
-    if installed_version(declared.distribution) is None:
+    declared: Patch | Listing = registry.declared(record.name)
+    if declared.requires is None:  # a pack's record: its gate is in its Patch, which the status imported
+        declared = registry.patch(record.name)
+    distribution, requires = declared.distribution or "", declared.requires or ""
+    if installed_version(distribution) is None:
         return Outlook(NOT_INSTALLED, state, reason)
     missed = _targets_missed(registry, record.name)
     if record.state is PENDING:
@@ -83,7 +87,7 @@ def outlook(record: PatchStatus, registry: Registry) -> Outlook:
     if record.decided_by == "probe" and not any(answer["present"] for answer in record.probe or ()):
         return Outlook(FIXED_UPSTREAM, state, reason)  # skipped where its release would apply: no bug found
     # Skipped: outside its gate, no target for these releases, or a reason of the import (code changed).
-    if not check_versions(declared.distribution, specifier_set(declared.requires)).admitted:
+    if not check_versions(distribution, specifier_set(requires)).admitted:
         return Outlook(OUTSIDE, state, reason)
     return Outlook(missed[0] if missed else SKIPPED, state, reason)
 

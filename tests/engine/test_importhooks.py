@@ -11,6 +11,7 @@ import pytest
 
 from shim import importhooks
 from tests.conftest import FrontLoader
+from tests.engine_state import watchers_done
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -59,7 +60,7 @@ def test_a_module_another_thread_is_still_executing_fires_when_it_is_done(fake_m
     gate["go"].set()
     thread.join(10)
     assert not thread.is_alive()
-    assert importhooks.wait(10)
+    assert watchers_done(10)
     assert seen == [3]
 
 
@@ -98,7 +99,7 @@ def test_the_next_import_through_the_finder_catches_up_even_with_a_module_still_
         importhooks.when_imported(f"{pkg}.{name}", lambda module: seen.append((module.VALUE, importhooks.late_note())))
     finder_in_front(f"{pkg}.outer")
     importlib.import_module(f"{pkg}.outer")
-    assert importhooks.wait(10)
+    assert watchers_done(10)
     assert seen == [
         (6, None),
         (
@@ -126,7 +127,7 @@ def test_a_watched_module_that_leaves_sys_modules_for_a_moment_still_fires():
         time.sleep(0.3)  # the watcher looks several times while the module is out
         sys.modules[name] = module
         module.__spec__._initializing = False
-        assert importhooks.wait(10)
+        assert watchers_done(10)
     finally:
         sys.modules.pop(name, None)
     assert seen == [module]

@@ -36,30 +36,36 @@ PATCH = Patch(name=NAME, summary="doubles one()", distribution=DIST, requires=">
 """
 
 
-def write_pack(root, entry_points, source=GOOD, version="1.2.0", name=None, listed=True, metadata=None):
+def write_pack(
+    root, entry_points, source=GOOD, version="1.2.0", name=None, listed=True, metadata=None, order=(), target=None
+):
     """An installed distribution under ``root``: package ``<name>`` with a target module ``target``
     (``one()`` returns 1) and a module ``fixes`` from ``source``, ``entry_points`` as its
     ``[hf_train_shim.patches]`` section (``{patch name: value}``, ``{n}`` stands for the package)
     and, where ``listed``, ``<name>.target`` as each patch's target module in ``[hf_train_shim.targets]``.
-    ``metadata``: the bytes of its METADATA (default: its name and version)."""
+    ``metadata``: the bytes of its METADATA (default: its name and version); ``order``: the lines of
+    its ``[hf_train_shim.order]`` section; ``target``: the module its patches target (default its own)."""
     name = name or f"tpack{next(_counter)}_{os.getpid()}"
     package = root / name
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(f'__version__ = "{version}"\n')
     (package / "target.py").write_text("def one():\n    return 1\n")
-    header = f"NAME = {next(iter(entry_points), '')!r}\nDIST = {name!r}\nTARGET = '{name}.target'\n"
+    target = target or f"{name}.target"
+    header = f"NAME = {next(iter(entry_points), '')!r}\nDIST = {name!r}\nTARGET = {target!r}\n"
     (package / "fixes.py").write_text(header + textwrap.dedent(source))
     folder = root / f"{name}-{version}.dist-info"
     folder.mkdir()
     default = f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode()
     (folder / "METADATA").write_bytes(metadata if metadata is not None else default)
     lines = [f"{key} = {value.format(n=name)}" for key, value in entry_points.items()]
-    targets = [f"{key}.{name}.target = {name}.target" for key in entry_points] if listed else []
+    targets = [f"{key}.{target} = {target}" for key in entry_points] if listed else []
     (folder / "entry_points.txt").write_text(
         "[console_scripts]\nsomething = x:y\n\n[hf_train_shim.patches]\n"
         + "\n".join(lines)
         + "\n\n[hf_train_shim.targets]\n"
         + "\n".join(targets)
+        + "\n\n[hf_train_shim.order]\n"
+        + "\n".join(f"{line} = {name}.fixes" for line in order)
         + "\n"
     )
     return name
@@ -88,11 +94,11 @@ def test_discovery_reads_only_the_groups_of_each_distribution(tmp_path):
     (other / "entry_points.txt").write_text("[console_scripts]\nhf_train_shim.patches = x:y\n")
     (tmp_path / "plain-1.0.dist-info").mkdir()  # no entry point at all
     found = packs.found([str(tmp_path), str(tmp_path / "missing"), str(tmp_path / "a.zip")])
-    assert [(f.name, f.value, f.modules) for f in found] == [
-        ("double-one", f"{name}.fixes:PATCH", (f"{name}.target",)),
-        ("triple-one", f"{unlisted}.fixes:PATCH", None),
+    assert [(f.name, f.module, f.attribute, f.modules) for f in found] == [
+        ("double-one", f"{name}.fixes", "PATCH", (f"{name}.target",)),
+        ("triple-one", f"{unlisted}.fixes", "PATCH", ()),
     ]
-    assert (found[0].distribution, found[0].version) == (name.replace("_", "-"), "1.2.0")
+    assert (found[0].provider, found[0].version, found[0].requires) == (name.replace("_", "-"), "1.2.0", None)
     assert not {f"{name}.fixes", f"{unlisted}.fixes"} & set(sys.modules), "discovery imports nothing"
 
 
@@ -101,7 +107,7 @@ def test_a_distribution_found_twice_counts_where_it_is_first_on_the_path(tmp_pat
     write_pack(tmp_path / "second", {"double-one": "{n}.fixes:PATCH", "other-name": "{n}.fixes:PATCH"}, name=name)
     (tmp_path / "second" / f"{name.replace('_', '.').upper()}-9.dist-info").mkdir()  # the same name, spelled so
     found = packs.found([str(tmp_path / "first"), str(tmp_path / "second")])
-    assert [(f.name, os.path.dirname(f.folder)) for f in found] == [("double-one", str(tmp_path / "first"))]
+    assert [f.name for f in found] == ["double-one"]
 
 
 def activated(tmp_path, monkeypatch, version="1.2.0", **options):
@@ -128,22 +134,19 @@ def test_a_pack_patch_joins_a_registry_with_its_gate_switches_and_provider(tmp_p
     assert target.one() == 1
 
 
-def test_a_pack_that_lists_no_targets_is_imported_when_the_shim_activates(tmp_path, monkeypatch):
-    registry, name = activated(tmp_path, monkeypatch, listed=False)
-    assert f"{name}.fixes" in sys.modules and f"{name}.target" not in sys.modules
-    (status,) = registry.status()
-    assert status.state == "pending"
-    assert f"the pack lists no target modules, so {name}.fixes was imported when the shim started" in status.reason
-    target = __import__(f"{name}.target", fromlist=["one"])
-    assert registry.status()[0].state == "applied" and target.one() == 2
-    registry.deactivate()
+def test_a_pack_without_a_record_is_refused_with_the_command_that_writes_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, listed=False)
+    _registry, held, (message,) = registered(tmp_path)
+    assert held == [] and f"{name}.fixes" not in sys.modules
+    assert message.startswith(message_of(name, "double-one"))
+    assert "its record lists no target modules (hf_train_shim.targets): run python -m shim pack-index" in message
 
 
-@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
 @pytest.mark.parametrize("switch", ["all", "double-one"])
-def test_a_pack_patch_switched_off_never_has_its_module_imported(tmp_path, monkeypatch, switch, listed):
+def test_a_pack_patch_switched_off_never_has_its_module_imported(tmp_path, monkeypatch, switch):
     monkeypatch.setenv("SHIM_DISABLE", switch)
-    registry, name = activated(tmp_path, monkeypatch, listed=listed)
+    registry, name = activated(tmp_path, monkeypatch)
     target = __import__(f"{name}.target", fromlist=["one"])
     (status,) = registry.status()
     assert target.one() == 1 and f"{name}.fixes" not in sys.modules
@@ -188,7 +191,7 @@ BROKEN = {
     "import error": ({"broken-import": "{n}.missing_module:PATCH"}, GOOD, "cannot be imported (ModuleNotFoundError"),
     "exits at import": ({"exits-at-import": "{n}.fixes:PATCH"}, "import argparse\nargparse.ArgumentParser().parse_args(['--lr', '1'])", "cannot be imported (SystemExit(2)"),
     "not a Patch": ({"not-a-patch": "{n}.fixes:PATCH"}, "PATCH = {'name': NAME}", "is a dict, not a shim.Patch"),
-    "another name": ({"called-this": "{n}.fixes:PATCH"}, GOOD.replace("name=NAME", "name='that'"), "called 'that'"),
+    "another name": ({"called-this": "{n}.fixes:PATCH"}, GOOD.replace("name=NAME", "name='that'"), "its module's Patch is 'that'"),
     "stale list": ({"stale-list": "{n}.fixes:PATCH"}, GOOD.replace('TARGET + ":one"', '"json:dumps"'), "run python -m shim pack-index"),
 }  # fmt: skip
 
@@ -302,7 +305,7 @@ def test_an_unreadable_entry_points_txt_leaves_its_distribution_out(tmp_path, ca
     started = time.monotonic()
     found, warned = discovered(tmp_path)
     assert time.monotonic() - started < 5
-    assert [f.distribution for f in found] == [good.replace("_", "-")]
+    assert [f.provider for f in found] == [good.replace("_", "-")]
     if declares and case.split()[-1] not in ("FIFO", "folder"):  # a file not read cannot be said to declare it
         (message,) = warned
         assert message.startswith("patch pack 'odd-1.0.dist-info': its entry_points.txt ") and "left out" in message
@@ -411,12 +414,11 @@ def test_strict_import_shim_raises_for_a_refused_pack(tmp_path):
     assert "shim.settings.PatchError: patch pack tpack" in result.stderr and "(SHIM_STRICT=1)" in result.stderr
 
 
-@pytest.mark.parametrize("listed", [True, False], ids=["listed", "unlisted"])
-def test_a_pack_that_exits_at_import_never_ends_the_command(tmp_path, listed):
+def test_a_pack_that_exits_at_import_never_ends_the_command(tmp_path):
     """The issue's case: a module-level argparse in a pack, under shim-run, with the shim on and
     switched off; and the same command without the shim."""
     entry_points, source, _ = BROKEN["exits at import"]
-    name = write_pack(tmp_path, entry_points, source=source, listed=listed)
+    name = write_pack(tmp_path, entry_points, source=source)
     command = ["-c", f"import {name}.target; print('training runs')", "--lr", "1"]
     env = clean_environment({"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
     runs = {
@@ -492,3 +494,133 @@ def test_the_tools_report_a_broken_pack_and_never_crash_on_it(tmp_path):
         )
         assert done.returncode == code and "Traceback" not in done.stderr, (command, done.stderr)
         assert problem in " ".join(done.stdout.split()), command
+
+
+# -- the one order, decided at import shim over every pack's record ----------------------------------
+
+PLUS_ONE = GOOD.replace("2 * wrapped(*args, **kwargs)", "1 + wrapped(*args, **kwargs)").replace("doubled", "added")
+
+
+def two_packs_on_one_target(tmp_path, monkeypatch, first_order=(), second_order=(), after=()):
+    """Packs ``aaa-fix`` (adds 1, found first) and ``zzz-fix`` (doubles), both on ``aaa``'s target;
+    ``after``: the names ``aaa-fix``'s Patch is declared after (its record says ``first_order``)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = PLUS_ONE.replace("bug_probe=", f"after={tuple(after)!r}, bug_probe=")
+    first = write_pack(
+        tmp_path, {"aaa-fix": "{n}.fixes:PATCH"}, name=f"a_first{next(_counter)}", order=first_order, source=source
+    )
+    second = write_pack(
+        tmp_path,
+        {"zzz-fix": "{n}.fixes:PATCH"},
+        name=f"z_second{next(_counter)}",
+        order=second_order,
+        target=f"{first}.target",
+    )
+    return first, second
+
+
+def test_a_pack_may_sit_after_a_pack_found_later_on_the_path(tmp_path, monkeypatch):
+    first, _second = two_packs_on_one_target(
+        tmp_path, monkeypatch, first_order=["aaa-fix.after.zzz-fix"], after=["zzz-fix"]
+    )
+    registry, held, warned = registered(tmp_path, builtin=False)
+    assert warned == [] and [p.name for p in held] == ["zzz-fix", "aaa-fix"], "ordered over all records"
+    registry.activate()
+    target = __import__(f"{first}.target", fromlist=["one"])
+    assert target.one() == 3, "aaa-fix sits outside zzz-fix: 1 + 2 * 1"
+    assert {s.name: s.state for s in registry.status()} == {"zzz-fix": "applied", "aaa-fix": "applied"}
+    registry.deactivate()
+
+
+def test_a_pack_with_a_cyclic_after_is_refused_at_import_shim_and_never_imported(tmp_path, monkeypatch):
+    first, second = two_packs_on_one_target(
+        tmp_path, monkeypatch, first_order=["aaa-fix.after.zzz-fix"], second_order=["zzz-fix.after.aaa-fix"]
+    )
+    _registry, held, warned = registered(tmp_path, builtin=False)
+    assert held == [] and len(warned) == 2
+    assert all("its after= declarations form a cycle: aaa-fix -> zzz-fix -> aaa-fix" in m for m in warned)
+    assert not {f"{first}.fixes", f"{second}.fixes"} & set(sys.modules)
+
+
+def test_an_after_against_a_place_refuses_that_pack_alone(tmp_path, monkeypatch):
+    first, second = two_packs_on_one_target(
+        tmp_path, monkeypatch, first_order=["aaa-fix.place.innermost", "aaa-fix.after.zzz-fix"]
+    )
+    _registry, held, (message,) = registered(tmp_path, builtin=False)
+    assert [p.name for p in held] == ["zzz-fix"] and message.startswith(message_of(first, "aaa-fix"))
+    assert "its place ('innermost') and its after= 'zzz-fix'" in message and f"{first}.fixes" not in sys.modules
+
+
+@pytest.mark.parametrize("other", ["not installed", "refused"])
+def test_an_after_naming_a_missing_or_refused_pack_drops_that_constraint_not_the_pack(tmp_path, monkeypatch, other):
+    order = ["aaa-fix.after.zzz-fix"]
+    first, second = two_packs_on_one_target(tmp_path, monkeypatch, first_order=order, after=["zzz-fix"])
+    if other == "not installed":
+        for folder in tmp_path.glob(f"{second}-*.dist-info"):
+            (folder / "entry_points.txt").write_text("")
+    else:  # zzz-fix refused at import shim: it claims a place that does not exist
+        entry_points = next(tmp_path.glob(f"{second}-*.dist-info")) / "entry_points.txt"
+        entry_points.write_text(entry_points.read_text() + f"zzz-fix.place.sideways = {second}.fixes\n")
+    registry, held, warned = registered(tmp_path, builtin=False)
+    assert [p.name for p in held] == ["aaa-fix"] and len(warned) == (other == "refused")
+    registry.activate()
+    target = __import__(f"{first}.target", fromlist=["one"])
+    (status,) = registry.status()
+    gone = "is not installed" if other == "not installed" else "was refused"
+    assert status.state == "applied" and target.one() == 2
+    assert f"declared after 'zzz-fix', which {gone}: that constraint is dropped" in status.reason
+    assert "sideways" not in status.reason, "its status shows its own problem, never another's"
+    registry.deactivate()
+
+
+def test_a_stale_target_list_is_said_wherever_the_module_is_loaded(tmp_path, monkeypatch):
+    # The list names a module the Patch does not target: the real target is imported, the listed
+    # one never is; the first status loads the module, and says so.
+    registry, name = activated(tmp_path, monkeypatch)
+    fixes = tmp_path / name / "fixes.py"
+    fixes.write_text(fixes.read_text().replace('TARGET + ":one"', '"json:dumps"'))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (status,) = registry.status()
+    (message,) = said(caught)
+    assert f"its record lists the target modules {name}.target, its Patch targets json" in message
+    assert "run python -m shim pack-index in the pack and reinstall it" in message and message in status.reason
+    registry.deactivate()
+
+
+SELF_IMPORTING = """
+from shim import Evidence, Patch, Target, record_effect
+from {n} import target  # the pack imports its own target at its top
+
+def _double(wrapped, instance, args, kwargs):
+    record_effect(NAME, "doubled")
+    return 2 * wrapped(*args, **kwargs)
+
+PATCH = Patch(name=NAME, summary="doubles one()", distribution=DIST, requires=">=1.0",
+              targets=(Target(TARGET + ":one", _double),), bug_probe=lambda: Evidence(False, "one() doubles"))
+"""
+
+
+@pytest.mark.parametrize("when", ["after import shim", "before import shim"])
+def test_a_pack_module_importing_its_own_target_applies_before_the_first_call(tmp_path, when):
+    name = f"selfish{next(_counter)}"
+    write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, name=name, source=SELF_IMPORTING.replace("{n}", name))
+    first = (
+        f"from {name} import fixes\nimport shim"
+        if when == "before import shim"
+        else f"import shim\nfrom {name} import fixes"
+    )
+    code = f"""
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    {first.replace(chr(10), chr(10) + "    ")}
+    from {name} import target
+    first_call = target.one()
+    states = {{s.name: s.state for s in shim.status()}}
+print(json.dumps({{"state": states.get("double-one"), "one": first_call,
+                  "warnings": [str(w.message) for w in caught if "patch pack" in str(w.message)]}}))
+"""
+    result = import_shim(tmp_path, code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"state": "applied", "one": 2, "warnings": []}

@@ -22,6 +22,7 @@ from shim import (
     Target,
 )
 from tests.engine.fakes import TARGET, make_patch, shim_layers, state, tagging
+from tests.engine_state import watchers_done
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,
 # the version matrix's other cells deselect it (scripts/matrix.py).
@@ -307,7 +308,7 @@ def test_an_import_already_under_way_when_the_hook_is_registered_is_applied(fake
         registry.activate()  # the module is not in sys.modules yet: the hook waits for an import
         go.set()
         thread.join(10)
-        assert importhooks.wait(10) and not thread.is_alive()
+        assert watchers_done(10) and not thread.is_alive()
         assert sys.modules[name].f(1) == (1 if lock_table == "none" else ("demo", 1)), "before any status()"
         current, reason = state(registry)
     finally:

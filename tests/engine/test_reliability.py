@@ -21,8 +21,9 @@ import shim
 from shim import patches as catalogue
 from shim.patches._checkpointing_calls import enable
 from shim.patches._checkpointing_state import layer_state
-from shim.wrapping import find_shim_wrapper, patch_names_of
+from shim.wrapping import patch_names_of
 from tests.conftest import ROOT, clean_environment
+from tests.engine_state import shim_wrapper
 from tests.patches.checkpointing_cases import quietly, tiny_llama
 from tests.tinymodels import tiny_llama_config
 from tests.zygote import Zygote
@@ -73,7 +74,7 @@ import importlib, json, sys, threading
 with_shim = {with_shim!r}
 if with_shim:
     import shim
-    from shim import importhooks
+    from tests.engine_state import watchers_done
 names = {names!r}
 errors, threads = [], []
 barrier = threading.Barrier(len(names))
@@ -92,10 +93,10 @@ for thread in threads:
 alive = [thread.is_alive() for thread in threads]
 states = {{}}
 if with_shim:
-    importhooks.wait(30)
+    watchers_done(30)
     for name in names:  # one thread at a time now: what a failed import left undone
         importlib.import_module(name)
-    importhooks.wait(30)
+    watchers_done(30)
     states = {{s.name: s.state for s in shim.status()}}
 print(json.dumps({{"alive": alive, "errors": errors, "states": states}}))
 """
@@ -158,8 +159,8 @@ caught_executing = getattr(sys.modules.get("transformers.modeling_layers"), "__s
 caught_executing = bool(getattr(caught_executing, "_initializing", False))
 import shim  # while the other thread is still executing the target module
 thread.join(90)
-from shim import importhooks
-importhooks.wait(30)
+from tests.engine_state import watchers_done
+watchers_done(30)
 status = {s.name: [s.state, s.reason] for s in shim.status()}
 print(json.dumps({"caught_executing": caught_executing, "alive": thread.is_alive(),
                   "reentrant-keyword-grads": status["reentrant-keyword-grads"]}))
@@ -260,7 +261,7 @@ def wrapped_targets():
                 owner, attribute, current = wrapt.resolve_path(module, target.path)
             except Exception:
                 continue
-            if find_shim_wrapper(current, name) is not None:
+            if shim_wrapper(current, name) is not None:
                 found.append((owner, attribute, name))
     return found
 
@@ -332,11 +333,11 @@ RELOAD = """
 import importlib, json
 import shim
 import transformers.modeling_utils as modeling_utils
-from shim.wrapping import find_shim_wrapper
+from tests.engine_state import shim_wrapper
 importlib.reload(modeling_utils)
 layer = modeling_utils.PreTrainedModel.__dict__["_set_gradient_checkpointing"]
 status = {s.name: s.state for s in shim.status()}
-print(json.dumps({"wrapped": find_shim_wrapper(layer, "checkpointing-restore") is not None,
+print(json.dumps({"wrapped": shim_wrapper(layer, "checkpointing-restore") is not None,
                   "state": status["checkpointing-restore"]}))
 """
 
@@ -401,10 +402,10 @@ for target_module in TARGET_MODULES:  # every target module there is, as in the 
         importlib.import_module(target_module)
     except ImportError:
         pass
-from shim import importhooks
 from shim.wrapping import patch_names_of
+from tests.engine_state import watchers_done
 import wrapt
-importhooks.wait(30)
+watchers_done(30)
 layers = {{}}
 for name in shim.registry.names:
     for target in shim.registry.patch(name).targets:
@@ -698,8 +699,8 @@ class FinderInFront:  # what typeguard.install_import_hook(["transformers.modeli
         return spec
 sys.meta_path.insert(0, FinderInFront())
 import transformers.modeling_utils
-from shim import importhooks
-importhooks.wait(30)
+from tests.engine_state import watchers_done
+watchers_done(30)
 print(json.dumps({s.name: [s.state, s.reason] for s in shim.status()}))
 """
 

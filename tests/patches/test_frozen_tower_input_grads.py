@@ -19,8 +19,8 @@ from shim import runtime as effects
 from shim.patches._checkpointing_calls import disable, enable
 from shim.patches.frozen_tower_input_grads import _WhileTrainable
 from shim.tools.targets import quiet_transformers
-from shim.wrapping import find_shim_wrapper
 from tests import devices
+from tests.engine_state import shim_wrapper
 from tests.patches.checkpointing_cases import TRANSFORMERS
 from tests.tinymodels import tiny_qwen2_vl, vision_tower
 
@@ -84,8 +84,8 @@ def assert_same_grads(first, second, device=devices.CPU):
 def test_patch_is_applied_and_stacked_with_input_grad_hook_dedupe():
     assert shim.registry.is_on(NAME) and shim.registry.is_on(DEDUPE)
     method = transformers.modeling_utils.PreTrainedModel.enable_input_require_grads
-    assert find_shim_wrapper(method, NAME) is not None
-    assert find_shim_wrapper(method, DEDUPE) is not None
+    assert shim_wrapper(method, NAME) is not None
+    assert shim_wrapper(method, DEDUPE) is not None
 
 
 @pytest.mark.autocast

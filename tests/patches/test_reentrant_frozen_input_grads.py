@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import shim
 from shim import runtime as effects
 from shim.checkpointing import is_reentrant
-from shim.wrapping import find_shim_wrapper
+from tests.engine_state import shim_wrapper
 from tests.steps import enable_checkpointing, trainable_grads, wrong_grads
 from tests.tinymodels import frozen_input_llama
 
@@ -80,8 +80,8 @@ def switched_off(*names):
 def test_patch_is_applied_and_stacked_with_reentrant_keyword_grads():
     assert shim.registry.is_on(NAME) and shim.registry.is_on(KEYWORDS)
     slot = transformers.modeling_layers.GradientCheckpointingLayer._gradient_checkpointing_func
-    assert find_shim_wrapper(slot, NAME) is not None
-    assert find_shim_wrapper(slot, KEYWORDS) is not None
+    assert shim_wrapper(slot, NAME) is not None
+    assert shim_wrapper(slot, KEYWORDS) is not None
 
 
 @pytest.mark.autocast

@@ -497,13 +497,13 @@ def test_no_class_level_layer_and_deactivate_restores_the_layers_class():
         call, forward = vars(layer_class).get("__call__"), torch.nn.Module.__call__
         before = dict(vars(layer_class))
         import shim
-        from shim.wrapping import find_shim_wrapper
+        from tests.engine_state import shim_wrapper
         assert shim.registry.is_on("reentrant-keyword-grads") and shim.registry.is_on("reentrant-frozen-input-grads")
         # nothing of the shim's on the layer's call path
         assert vars(layer_class).get("__call__") is call and torch.nn.Module.__call__ is forward
         slot = vars(layer_class)["_gradient_checkpointing_func"]  # the assignments of the function
-        assert find_shim_wrapper(slot, "reentrant-keyword-grads") is not None
-        assert find_shim_wrapper(slot, "reentrant-frozen-input-grads") is not None  # stacked on it
+        assert shim_wrapper(slot, "reentrant-keyword-grads") is not None
+        assert shim_wrapper(slot, "reentrant-frozen-input-grads") is not None  # stacked on it
         shim.deactivate()
         assert dict(vars(layer_class)) == before
         shim.activate()

@@ -26,9 +26,11 @@ def test_the_index_is_generated_from_each_patch_modules_declaration():
     assert sorted(row["module"] for row in catalogue.INDEX) == modules, "every patch module is listed, once"
     for row in catalogue.INDEX:
         patch = importlib.import_module(f"shim.patches.{row['module']}").PATCH
-        declared = dict(
-            name=patch.name, distribution=patch.distribution, requires=patch.requires, modules=patch.modules
-        ) | ({"place": patch.place} if patch.place else {})
+        declared = (
+            dict(name=patch.name, distribution=patch.distribution, requires=patch.requires, modules=patch.modules)
+            | ({"place": patch.place} if patch.place else {})
+            | ({"after": patch.after} if patch.after else {})
+        )
         assert {k: v for k, v in row.items() if k != "module"} == declared, row["module"]
     assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row["name"] for row in catalogue.INDEX)
     # The index block is exactly what the generator writes (python -m shim.patches --write).

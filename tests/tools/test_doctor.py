@@ -184,12 +184,12 @@ def test_a_packs_check_runs_where_torch_cannot_be_imported_a_builtins_cannot(fak
     """A built-in's self-check trains on torch: without it doctor says it cannot check here. A patch
     pack's check needs only what its author says, so it runs, and a check that needed torch after all
     is its own error."""
-    from shim.catalogue import PROVIDER
+    from shim.catalogue import PROVIDER, Listing
 
     pkg = fake_modules(target="def f():\n    return 1\n")
     importlib.import_module(f"{pkg}.target")
-    builtin = make_patch(pkg, name="built-in", bug_probe=finds(True))
-    object.__setattr__(builtin, "provider", PROVIDER)  # as the catalogue's listings say
+    builtin = Listing.of(make_patch(pkg, name="built-in", bug_probe=finds(True)))
+    builtin.provider = PROVIDER  # as the catalogue's records say
     registry = Registry([builtin, make_patch(pkg, name="from-a-pack", bug_probe=finds(True))])
     registry.activate()
     monkeypatch.setitem(sys.modules, "torch", None)  # Python's way to make a module unimportable

@@ -20,9 +20,9 @@ import torch
 
 import shim
 import shim.patches
-from shim import importhooks
 from tests import tinymodels
 from tests.do_no_harm.workflows import DEVICE, input_ids, quiet, run_cases
+from tests.engine_state import watchers_done
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (shim, shim.patches))
 
@@ -54,7 +54,7 @@ def patched_model():
                 importlib.import_module(module)
             except ImportError:
                 pass
-    importhooks.wait(30)
+    watchers_done(30)
     torch.manual_seed(0)
     return DEVICE.put(tinymodels.tiny_llama(2))
 
