@@ -209,7 +209,7 @@ def refused(name: str) -> str | None:
     if package in sys.stdlib_module_names or package in sys.builtin_module_names:
         return f"its package {package!r} would shadow the standard library's module {package!r}"
     if importable(package):
-        return f"its package {package!r} would shadow the module {package!r} installed here"
+        return f"its package {package!r} would shadow the module {package!r} importable here"
     return None
 
 

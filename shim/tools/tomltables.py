@@ -178,16 +178,17 @@ def with_table(text: str, key: Sequence[str], body: Sequence[str], after: Sequen
     lines = lines_of(text)
     new = [line + newline for line in body]
     mine = span(lines, key)
-    if mine is not None:
-        result = "".join([*lines[: mine[0] + 1], *new, *lines[mine[1] :]])
-    else:
+    if mine is not None:  # below its header, in place of its lines
+        head, tail = lines[: mine[0] + 1], lines[mine[1] :]
+    else:  # after the table ``after`` (its blank lines stay below), or at the end
         place = span(lines, after) if after else None
         at = len(lines) if place is None else place[1]
-        head = lines[:at]
-        if head and not head[-1].endswith("\n"):
-            head[-1] += newline
-        blank = [newline] if head and head[-1].strip() else []
-        result = "".join([*head, *blank, header_line(key) + newline, *new, *lines[at:]])
+        head, tail = lines[:at], lines[at:]
+    if head and not head[-1].endswith("\n"):  # the file's last line
+        head[-1] += newline
+    if mine is None:
+        new = [*([newline] if head and head[-1].strip() else []), header_line(key) + newline, *new]
+    result = "".join([*head, *new, *tail])
     _check(text, result, key, found=mine is not None)
     return result
 

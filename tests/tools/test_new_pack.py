@@ -85,9 +85,9 @@ def test_a_name_that_is_no_patch_name_or_a_folder_in_use_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "name, why",
     [
-        ("shim", "its package 'shim' would shadow the module 'shim' installed here"),
-        ("torch", "its package 'torch' would shadow the module 'torch' installed here"),
-        ("transformers", "its package 'transformers' would shadow the module 'transformers' installed here"),
+        ("shim", "its package 'shim' would shadow the module 'shim' importable here"),
+        ("torch", "its package 'torch' would shadow the module 'torch' importable here"),
+        ("transformers", "its package 'transformers' would shadow the module 'transformers' importable here"),
         ("json", "its package 'json' would shadow the standard library's module 'json'"),
         ("checkpointing-restore", "'checkpointing-restore' is a built-in patch's name"),
         ("a" * 300, "(300 characters) is longer than 64 characters"),

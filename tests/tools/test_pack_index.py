@@ -67,6 +67,7 @@ def test_crlf_line_endings_stay_crlf():
 def test_a_missing_table_goes_after_the_patches_table_or_at_the_end():
     new = rewritten(START + END, NOW)
     assert new.startswith(f"{START.rstrip()}\n\n{SPELLINGS[0]}\n# Written by") and new.endswith(END)
+    assert with_table("[tool.z]", ("tool", "z"), ["a = 1"]) == "[tool.z]\na = 1\n", "a header without its newline"
     plain = with_table("[tool.x]\ny = 1", ("tool", "z"), ["a = 1"])  # no final newline, no table to follow
     assert plain == "[tool.x]\ny = 1\n\n[tool.z]\na = 1\n" and tomllib.loads(plain)["tool"] == {
         "x": {"y": 1},
@@ -77,16 +78,17 @@ def test_a_missing_table_goes_after_the_patches_table_or_at_the_end():
 @pytest.mark.parametrize(
     "value",
     [
-        'text = """\n{header}\n"""',  # a multi-line string's line
+        'text = """\n{header}\n"""',  # a multi-line string's line: no table of ours to edit in there
         "text = '''\n{header}\n'''",
-        'lists = [\n  "a",\n{header}\n]',  # an array's line: [["x"]] read as a header would end the table
+        'lists = [\n  "a",\n["x"]\n]',  # an array's line: read as a header, the patches table would end there
     ],
 )
 def test_a_header_inside_a_multiline_string_or_array_is_no_header(value):
-    inside = value.format(header='["project"]' if value.startswith("lists") else SPELLINGS[0])
-    text = f"{START}[tool.notes]\n{inside}\nafter = 1\n{END}"
+    """The line in the patches table (where the targets table goes after) is a value's, not a header."""
+    text = f"{START.rstrip()}\n{value.format(header=SPELLINGS[0])}\n{END}"
     new = rewritten(text, NOW)
-    assert tomllib.loads(new)["tool"]["notes"] == tomllib.loads(text)["tool"]["notes"]
+    patches = tomllib.loads(text)["project"]["entry-points"]["hf_train_shim.patches"]
+    assert tomllib.loads(new)["project"]["entry-points"]["hf_train_shim.patches"] == patches
     assert targets_of(new) == {"my-fix.transformers.trainer": "transformers.trainer"}
 
 
