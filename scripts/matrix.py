@@ -73,7 +73,8 @@ from matrixlib.table import block, render, render_ranges, write_block  # noqa: E
 MEASURED = [cell for cell in CELLS if not cell.latest]
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: which cells, the options that leave some out, then :func:`add_modes`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cells", nargs="*", help=f"cells to run (default: all): {', '.join(BY_NAME)}")
     parser.add_argument(
@@ -90,6 +91,13 @@ def main(argv=None) -> int:
         metavar="CELL",
         help="leave CELL out",
     )
+    add_modes(parser)
+    return parser
+
+
+def add_modes(parser: argparse.ArgumentParser) -> None:
+    """The options that say what a run does with its cells (check, build, share, rewrite, lock) and how
+    many it builds at once."""
     parser.add_argument(
         "--doctor-only", action="store_true", help="run doctor but no suite in every cell (a quick gate check)"
     )
@@ -118,57 +126,91 @@ def main(argv=None) -> int:
         help="build N cells at a time, ahead of the tests (default 2; 0: each just before its tests); "
         "suites and doctors run one cell at a time",
     )
-    args = parser.parse_args(argv)
+
+
+def parsed(argv) -> argparse.Namespace:
+    """The arguments, every cell they name known (the usage error otherwise)."""
+    command = parser()
+    args = command.parse_args(argv)
     for name in args.cells + args.skip_suite + args.without + ([args.lock] if args.lock else []):
         if name not in BY_NAME:
-            parser.error(f"unknown cell {name!r}; cells: {', '.join(BY_NAME)}")
+            command.error(f"unknown cell {name!r}; cells: {', '.join(BY_NAME)}")
+    if args.lock and BY_NAME[args.lock].latest:
+        command.error(f"{args.lock} is resolved from the newest releases whenever it runs: nothing to lock")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parsed(argv)
     if args.lock:
-        if BY_NAME[args.lock].latest:
-            parser.error(f"{args.lock} is resolved from the newest releases whenever it runs: nothing to lock")
         lock(BY_NAME[args.lock])
         return 0
-
     selected = [cell for cell in ([BY_NAME[n] for n in args.cells] or CELLS) if cell.name not in args.without]
     if args.build_only:
         return 0 if build_cells(selected, args.jobs) else 1
-    skips = {
-        cell.name: "doctor only" if args.doctor_only else "suite not run here (--skip-suite)"
-        for cell in selected
-        if args.doctor_only or cell.name in args.skip_suite
-    }
+    skips = suites_skipped(args, selected)
     if args.share:
         args.share.mkdir(parents=True, exist_ok=True)
         # Cells with a suite first, the doctor-only ones (20 s each) last: the lanes then end within a
         # short cell of each other.
         selected.sort(key=lambda cell: not (cell.suite and cell.name not in skips))
-    records = []
+    records, total = [], 0.0
     if not args.report_only:
         started = time.monotonic()
         records = run_cells(selected, skips, args.jobs, args.share)
         total = time.monotonic() - started
-
     if selected and all(cell.latest for cell in selected) and not args.report_only:
         # Only the latest cell ran: its verdict is all there is to say, and it never fails.
         latest_verdicts(records)
         return 0
     if args.share:
-        # Some of the cells ran here, the rest in the other runs: what each cell did, and whether any
-        # failed; the checks that need every cell's report follow with --report-only.
-        latest = latest_verdicts(records)
-        show_times(records, args.jobs, total)
-        failed = [r["cell"] for r in records if not r["ok"] and not BY_NAME[r["cell"]].latest]
-        ran = [r["cell"] for r in records if not BY_NAME[r["cell"]].latest]
-        say(
-            f"matrix (shared, this run's cells): {len(ran) - len(failed)} passed, {len(failed)} failed"
-            + "".join(f"; {line}" for line in latest)
-        )
-        return 1 if failed else 0
+        return shared_run(records, args.jobs, total)
+    return checked_run(records, args, total)
 
+
+def suites_skipped(args: argparse.Namespace, selected: list) -> dict[str, str]:
+    """``{cell: why its suite is not run}``: every cell with ``--doctor-only``, else the ``--skip-suite`` ones."""
+    return {
+        cell.name: "doctor only" if args.doctor_only else "suite not run here (--skip-suite)"
+        for cell in selected
+        if args.doctor_only or cell.name in args.skip_suite
+    }
+
+
+def shared_run(records: list, jobs: int, total: float) -> int:
+    """``--share``: some of the cells ran here, the rest in the other runs: what each cell did, and
+    whether any failed; the checks that need every cell's report follow with ``--report-only``."""
+    latest = latest_verdicts(records)
+    show_times(records, jobs, total)
+    failed = [r["cell"] for r in records if not r["ok"] and not BY_NAME[r["cell"]].latest]
+    ran = [r["cell"] for r in records if not BY_NAME[r["cell"]].latest]
+    say(
+        f"matrix (shared, this run's cells): {len(ran) - len(failed)} passed, {len(failed)} failed"
+        + "".join(f"; {line}" for line in latest)
+    )
+    return 1 if failed else 0
+
+
+def checked_run(records: list, args: argparse.Namespace, total: float) -> int:
+    """The gate check and the tables' check on every measured cell's report, then the cells that ran
+    here and one closing line: 1 where a cell failed, a gate does not hold or a table differs."""
     reports = load_reports(MEASURED)
     problems, notes = check(reports)
     failed_cells = [r["cell"] for r in records if not r["ok"] and not BY_NAME[r["cell"]].latest]
-    missing = [c.name for c in MEASURED if c.name not in reports]
+    show_gate_check(reports, problems, notes)
+    files_ok = check_files(reports, args.write_readme)
+    latest = latest_verdicts(records)
+    if records:
+        show_times(records, args.jobs, total)
+        # One plain closing line: cells that passed (setup, suite, doctor, gate check) and those that did not;
+        # the latest cell's verdict after it, which never fails the matrix.
+        ran = {r["cell"] for r in records if not BY_NAME[r["cell"]].latest}
+        failing = (set(failed_cells) | {cell for cell, _ in problems}) & ran
+        say(f"matrix: {len(ran - failing)} passed, {len(failing)} failed" + "".join(f"; {line}" for line in latest))
+    return 1 if failed_cells or problems or not files_ok else 0
 
+
+def show_gate_check(reports: dict, problems: list, notes: list[str]) -> None:
     say("\n=== gate check (doctor verdict of every patch in every cell against its version gate)")
     for note in notes:
         say(f"  {note}")
@@ -177,46 +219,38 @@ def main(argv=None) -> int:
     if not problems:
         say(f"  every gate holds in {len(reports)} cells")
 
+
+def check_files(reports: dict, write: bool) -> bool:
+    """The README's and docs/testing.md's tables and shim/measured.json against ``reports`` (or, with
+    ``write``, rewritten from them): whether they match. Not checked without every measured cell's report."""
     tables = {"README.md": render_ranges(reports), "docs/testing.md": render(reports)}
     ranges = measured.render(reports)
-    files_ok = True
+    missing = [c.name for c in MEASURED if c.name not in reports]
     if missing:
         say(f"\nthe tables and shim/measured.json not checked: no reports for {', '.join(missing)} (run all cells)")
-    elif args.write_readme:
+        return True
+    if write:
         for name, table in tables.items():
             write_block(name, table)
         measured.write(ranges)
         say("\nthe README's and docs/testing.md's tables and shim/measured.json rewritten from doctor-reports/")
-    else:
-        for what, current, now in (
-            *((name, block(name), table) for name, table in tables.items()),
-            ("shim/measured.json", measured.current(), ranges),
-        ):
-            if current == now:
-                say(f"\n{what} matches what doctor measured")
-                continue
-            files_ok = False
-            say(
-                f"\nFAIL {what} differs from what doctor measured "
-                "(python3 scripts/matrix.py --report-only --write-readme rewrites it):"
-            )
-            say(
-                "\n".join(
-                    difflib.unified_diff((current or "").splitlines(), now.splitlines(), what, "measured", lineterm="")
-                )
-            )
-    latest = latest_verdicts(records)
+        return True
+    files = [*((name, block(name), table) for name, table in tables.items())]
+    files.append(("shim/measured.json", measured.current(), ranges))
+    return all([matches(what, current, now) for what, current, now in files])
 
-    if records:
-        show_times(records, args.jobs, total)
-    bad = bool(failed_cells or problems or not files_ok)
-    if records:
-        # One plain closing line: cells that passed (setup, suite, doctor, gate check) and those that did not;
-        # the latest cell's verdict after it, which never fails the matrix.
-        ran = {r["cell"] for r in records if not BY_NAME[r["cell"]].latest}
-        failing = (set(failed_cells) | {cell for cell, _ in problems}) & ran
-        say(f"matrix: {len(ran - failing)} passed, {len(failing)} failed" + "".join(f"; {line}" for line in latest))
-    return 1 if bad else 0
+
+def matches(what: str, current: str | None, now: str) -> bool:
+    """Whether the file ``what`` holds ``now``, what doctor measured (said, with the diff where not)."""
+    if current == now:
+        say(f"\n{what} matches what doctor measured")
+        return True
+    say(
+        f"\nFAIL {what} differs from what doctor measured "
+        "(python3 scripts/matrix.py --report-only --write-readme rewrites it):"
+    )
+    say("\n".join(difflib.unified_diff((current or "").splitlines(), now.splitlines(), what, "measured", lineterm="")))
+    return False
 
 
 def show_times(records: list, jobs: int, total: float) -> None:

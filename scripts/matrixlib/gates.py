@@ -114,94 +114,130 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
     used = set()
     names = list(dict.fromkeys(p["name"] for report in reports.values() for p in report["patches"]))
     for name in names:
-        cells_seen = []
-        for cell_name, report in reports.items():
-            gate = next((p for p in report["patches"] if p["name"] == name), None)
-            finding = report["findings"].get(name)
-            where = f"{name} in {cell_name}"
-            if gate is None or finding is None:
-                problems.add(cell_name, f"{where}: no doctor result (stale report? rerun the cell)")
-                continue
-            verdict, spec = finding["verdict"], f"{gate['distribution']}{gate['requires']}"
-            own = sorted({f"{t['distribution']}{t['requires']}" for t in gate.get("targets", ()) if t["requires"]})
-            if own:
-                spec += f" (targets: {', '.join(own)})"
-            shown = f"{gate['distribution']} {gate['installed']}"
-            if not gate["has_probe"]:
-                problems.add(
-                    cell_name, f"{where}: the patch has no bug probe, so the matrix cannot prove its gate {spec}"
-                )
-                continue
-            cells_seen.append((cell_name, gate, verdict))
-            if (name, cell_name) in known:
-                used.add((name, cell_name))
-                if gate["admitted"]:
-                    problems.add(cell_name, f"{where}: listed in {KNOWN_UNFIXED.name} but {shown} is inside {spec}")
-                elif verdict != "NOT FIXED":
-                    problems.add(
-                        cell_name,
-                        f"{where}: listed in {KNOWN_UNFIXED.name} but doctor says {verdict!r}: remove the line",
-                    )
-                continue
-            if gate["admitted"]:
-                if verdict == "fixed":
-                    continue
-                why = {
-                    "not reproduced": "the gate is too wide: the bug does not reproduce here with the patch off",
-                    "not affected": "the gate is too wide or the patch cannot apply: the bug does not reproduce here",
-                    "NOT FIXED": "the patch does not fix the bug here",
-                    "fixed upstream": "its bug probe (SHIM_PROBE=always) found no bug here: the probe and the gate disagree",
-                }.get(verdict, "doctor could not prove the fix")
-                problems.add(
-                    cell_name,
-                    f"{where}: {shown} is inside {spec} but doctor says {verdict!r}: {why} ({finding['detail']})",
-                )
-            elif verdict == "NOT FIXED":
-                problems.add(
-                    cell_name,
-                    f"{where}: {shown} is outside {spec} but the bug reproduces: widen the gate, or list "
-                    f"'{name} {cell_name} <why the patch is skipped here>' in constraints/{KNOWN_UNFIXED.name}",
-                )
-            elif verdict not in ("not affected", "not installed"):
-                problems.add(
-                    cell_name, f"{where}: {shown} is outside {spec}; doctor says {verdict!r} ({finding['detail']})"
-                )
+        cells_seen = check_cells(name, reports, known, used, problems)
         # Edges: the first and last release line inside every gate must be measured, where the
         # matrix reaches past them.
-        if not cells_seen:
-            continue
-        gates = sorted({json.dumps(gates_of(g)) for _, g, _ in cells_seen})
-        if len(gates) > 1:
-            problems.add(
-                None,
-                f"{name}: the cells' reports disagree on the gate ({' / '.join(gates)}): stale reports, rerun every cell",
-            )
-            continue
-        distribution, requires = cells_seen[0][1]["distribution"], cells_seen[0][1]["requires"]
-        for gate_distribution, specifier, whose in gates_of(cells_seen[0][1]):
-            measured = sorted(
-                {v for _, g, _ in cells_seen if (v := measured_version(g, gate_distribution))}, key=version_key
-            )
-            for wanted in missing_edges(specifier, measured):
-                problems.add(
-                    None,
-                    f"{name}: {whose} gate {gate_distribution}{specifier} needs a cell on {gate_distribution} {wanted}; "
-                    f"cells have {', '.join(measured)}: add an edge cell to scripts/matrixlib/cells.py",
-                )
-        inside = sorted(
-            ((g["gated_as"], c) for c, g, _ in cells_seen if g["admitted"]), key=lambda x: version_key(x[0])
-        )
-        if inside:
-            notes.append(
-                f"{name} ({distribution}{requires}): first cell inside {inside[0][0]} ({inside[0][1]}), "
-                f"last {inside[-1][0]} ({inside[-1][1]})"
-            )
-        else:
-            notes.append(f"{name} ({distribution}{requires}): no cell inside the gate")
+        if cells_seen:
+            check_edges(name, cells_seen, problems, notes)
     for patch, cell in sorted(set(known) - used):
         if cell in reports:
             problems.add(cell, f"{KNOWN_UNFIXED.name}: '{patch} {cell}' names no measured patch in that cell")
-    for cell in CELLS:  # a cell that leaves its everyday workflows to another must apply the same patches
+    check_workflows(reports, problems)
+    return problems, notes
+
+
+def check_cells(name: str, reports: dict, known: dict, used: set, problems: Problems) -> list:
+    """Patch ``name``'s verdict in each cell against its gate (a cell ``known`` unfixed marked
+    ``used``); the ``(cell, gate, verdict)`` of the cells that measured it with a bug probe."""
+    cells_seen = []
+    for cell_name, report in reports.items():
+        gate = next((p for p in report["patches"] if p["name"] == name), None)
+        finding = report["findings"].get(name)
+        where = f"{name} in {cell_name}"
+        if gate is None or finding is None:
+            problems.add(cell_name, f"{where}: no doctor result (stale report? rerun the cell)")
+            continue
+        if not gate["has_probe"]:
+            problems.add(
+                cell_name, f"{where}: the patch has no bug probe, so the matrix cannot prove its gate {spec_of(gate)}"
+            )
+            continue
+        cells_seen.append((cell_name, gate, finding["verdict"]))
+        if (name, cell_name) in known:
+            used.add((name, cell_name))
+            text = known_unfixed_problem(where, gate, finding)
+        else:
+            text = verdict_problem(name, cell_name, gate, finding)
+        if text:
+            problems.add(cell_name, text)
+    return cells_seen
+
+
+def spec_of(gate: dict) -> str:
+    """``transformers>=5.0 (targets: peft>=0.18)``: the patch's gate and its targets' own requirements."""
+    spec = f"{gate['distribution']}{gate['requires']}"
+    own = sorted({f"{t['distribution']}{t['requires']}" for t in gate.get("targets", ()) if t["requires"]})
+    if own:
+        spec += f" (targets: {', '.join(own)})"
+    return spec
+
+
+def known_unfixed_problem(where: str, gate: dict, finding: dict) -> str | None:
+    """What is wrong with a cell listed in ``constraints/known-unfixed.txt`` for the patch, if anything."""
+    verdict, shown = finding["verdict"], f"{gate['distribution']} {gate['installed']}"
+    if gate["admitted"]:
+        return f"{where}: listed in {KNOWN_UNFIXED.name} but {shown} is inside {spec_of(gate)}"
+    if verdict != "NOT FIXED":
+        return f"{where}: listed in {KNOWN_UNFIXED.name} but doctor says {verdict!r}: remove the line"
+    return None
+
+
+#: Why each verdict but ``fixed`` fails inside the gate.
+WRONG_INSIDE = {
+    "not reproduced": "the gate is too wide: the bug does not reproduce here with the patch off",
+    "not affected": "the gate is too wide or the patch cannot apply: the bug does not reproduce here",
+    "NOT FIXED": "the patch does not fix the bug here",
+    "fixed upstream": "its bug probe (SHIM_PROBE=always) found no bug here: the probe and the gate disagree",
+}
+
+
+def verdict_problem(name: str, cell_name: str, gate: dict, finding: dict) -> str | None:
+    """What is wrong with doctor's verdict on patch ``name`` in a cell, inside or outside its gate."""
+    verdict, spec, shown = finding["verdict"], spec_of(gate), f"{gate['distribution']} {gate['installed']}"
+    where = f"{name} in {cell_name}"
+    if gate["admitted"]:
+        if verdict == "fixed":
+            return None
+        why = WRONG_INSIDE.get(verdict, "doctor could not prove the fix")
+        return f"{where}: {shown} is inside {spec} but doctor says {verdict!r}: {why} ({finding['detail']})"
+    if verdict == "NOT FIXED":
+        return (
+            f"{where}: {shown} is outside {spec} but the bug reproduces: widen the gate, or list "
+            f"'{name} {cell_name} <why the patch is skipped here>' in constraints/{KNOWN_UNFIXED.name}"
+        )
+    if verdict not in ("not affected", "not installed"):
+        return f"{where}: {shown} is outside {spec}; doctor says {verdict!r} ({finding['detail']})"
+    return None
+
+
+def check_edges(name: str, cells_seen: list, problems: Problems, notes: list[str]) -> None:
+    """The cells' reports of patch ``name`` agree on its gate, and a cell sits on each edge of it
+    the matrix reaches past; the note of its first and last cell inside."""
+    gates = sorted({json.dumps(gates_of(g)) for _, g, _ in cells_seen})
+    if len(gates) > 1:
+        problems.add(
+            None,
+            f"{name}: the cells' reports disagree on the gate ({' / '.join(gates)}): stale reports, rerun every cell",
+        )
+        return
+    for gate_distribution, specifier, whose in gates_of(cells_seen[0][1]):
+        measured = sorted(
+            {v for _, g, _ in cells_seen if (v := measured_version(g, gate_distribution))}, key=version_key
+        )
+        for wanted in missing_edges(specifier, measured):
+            problems.add(
+                None,
+                f"{name}: {whose} gate {gate_distribution}{specifier} needs a cell on {gate_distribution} {wanted}; "
+                f"cells have {', '.join(measured)}: add an edge cell to scripts/matrixlib/cells.py",
+            )
+    notes.append(inside_note(name, cells_seen))
+
+
+def inside_note(name: str, cells_seen: list) -> str:
+    """``demo (transformers>=5.0): first cell inside 5.0.0 (tf5.0-trl0.29), last 5.25.0 (default)``."""
+    distribution, requires = cells_seen[0][1]["distribution"], cells_seen[0][1]["requires"]
+    inside = sorted(((g["gated_as"], c) for c, g, _ in cells_seen if g["admitted"]), key=lambda x: version_key(x[0]))
+    if inside:
+        return (
+            f"{name} ({distribution}{requires}): first cell inside {inside[0][0]} ({inside[0][1]}), "
+            f"last {inside[-1][0]} ({inside[-1][1]})"
+        )
+    return f"{name} ({distribution}{requires}): no cell inside the gate"
+
+
+def check_workflows(reports: dict, problems: Problems) -> None:
+    """A cell that leaves its everyday workflows to another must apply the same patches."""
+    for cell in CELLS:
         other = cell.workflows_in
         if other and cell.name in reports and other in reports:
             mine, theirs = applied(reports[cell.name]), applied(reports[other])
@@ -211,7 +247,6 @@ def check(reports: dict) -> tuple[Problems, list[str]]:
                     f"{cell.name} leaves its everyday workflows to {other}, but the patches applied differ "
                     f"({', '.join(sorted(mine ^ theirs))}): run them there (cells.py, workflows_in)",
                 )
-    return problems, notes
 
 
 def applied(report: dict) -> set:

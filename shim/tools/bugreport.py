@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from .. import __version__
 from ..gating import installed_version
 from ..settings import shown
-from .outlook import APPLIES, outlooks, summary
+from .outlook import APPLIES, outlooks
+from .render import status_table, summary
 from .run import as_given
 
 if TYPE_CHECKING:
@@ -88,7 +89,6 @@ def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
     """The report, through ``write_out`` (a piece at a time: doctor's rows as its checks finish),
     naming no user's folder (:func:`without_private_paths`)."""
     from . import doctor
-    from .cli import status_table
 
     home, cwd = os.path.expanduser("~"), os.getcwd()
     search_path = list(sys.path)

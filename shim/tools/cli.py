@@ -1,36 +1,28 @@
 """Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``,
-``python -m shim explain <patch>`` and ``python -m shim run [--] <command ...>`` (the ``shim-run``
-console script). The help texts are in ``shim.tools.helptext``."""
+``python -m shim explain <patch>``, ``python -m shim bug-report``, ``python -m shim new-pack NAME [DIR]``,
+``python -m shim pack-index [DIR] [--check]`` and ``python -m shim run [--] <command ...>`` (the
+``shim-run`` console script): :data:`COMMANDS`. The help texts are in ``shim.tools.helptext``, the
+tables and lines it prints in ``shim.tools.render``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import ModuleType
-from typing import IO, TYPE_CHECKING, Protocol, TypeVar
+from typing import IO, TYPE_CHECKING
 
 from .. import __version__
-from ..catalogue import PROVIDER as BUILTIN
 from ..packs import GROUP, TARGETS
 from ..settings import did_you_mean, shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
-from .report import WIDTH, fitted  # the tables, the report and the help texts fit this many columns
+from .render import WIDTH, by_name, fitted, status_table  # the tables and the help texts fit WIDTH columns
 from .run import as_given, cannot_write, lenient, reader_gone, say
 
 if TYPE_CHECKING:
-    from ..records import PatchStatus
     from ..registry import Registry
-    from .outlook import Outlook
 
-
-class _HasName(Protocol):
-    @property
-    def name(self) -> str: ...
-
-
-_Named = TypeVar("_Named", bound=_HasName)
 
 COMMANDS = ("status", "doctor", "explain", "bug-report", "new-pack", "pack-index", "run")
 
@@ -134,45 +126,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wide", action="store_true", help=f"do not fit the table to {WIDTH} columns")
 
 
-def by_name(records: Sequence[_Named]) -> list[_Named]:
-    """``records`` in the one order every table of the shim uses: by patch name."""
-    return sorted(records, key=lambda record: record.name)
-
-
-def status_table(records: Sequence[PatchStatus], wide: bool = False, seen: Mapping[str, Outlook] | None = None) -> str:
-    """The status table: a row per patch, by name, then its summary, the reason for its state and
-    its last effect indented below, wrapped to :data:`WIDTH` columns (``wide``: one line each).
-    ``seen``: each patch's :class:`~shim.tools.outlook.Outlook`, whose state and reason a pending
-    patch shows (``will apply``); the effects column is there only once a patch has changed something."""
-    from .report import table
-
-    records = by_name(records)
-    counted = any(r.effects for r in records)
-    rows: list[list[object]] = []
-    for r in records:
-        state = seen[r.name].state if seen else str(r.state)
-        rows.append([r.name, f"{state}, suspended" if r.suspended else state, r.installed or "-"])
-        if counted:
-            rows[-1].append(r.effects)
-    header = ["patch", "state", "installed", *(["effects"] if counted else [])]
-    lines = table(rows, header, right=(3,)).splitlines()
-    out = lines[:2]
-    for record, line in zip(records, lines[2:]):
-        out.append(line)
-        notes = [record.summary, f"reason: {seen[record.name].reason if seen else record.reason}"]
-        if record.provider not in ("", BUILTIN):  # a patch pack's: say whose
-            notes.insert(1, f"from: {record.provider} (a patch pack)")
-        if record.suspended:
-            notes.append("suspended: off inside a shim.disabled() block, whatever its state")
-        if record.last_effect:
-            notes.append(f"last effect: {record.last_effect}")
-        notes += [f"other patcher: {other['text']}" for other in record.others]
-        for note in notes:
-            out += fitted(note, wide, "    ", "      ")
-    out += ["", "python -m shim explain <patch>: the bug, the versions measured, the fix and its limits"]
-    return "\n".join(out)
-
-
 def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.import_targets:
         from .targets import import_targets
@@ -182,7 +135,8 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
     if args.json:
         print(json.dumps([record.as_dict() for record in records], indent=2))
         return 0
-    from .outlook import outlooks, summary
+    from .outlook import outlooks
+    from .render import summary
 
     seen = outlooks(records, shim.registry)
     print("\n".join([*fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
@@ -328,7 +282,7 @@ def _explain(args: argparse.Namespace, shim: ModuleType) -> int:
     if text is None:
         say("python -m shim explain: docs/bugs.md is not installed with this copy of the shim")
         return 1
-    from .report import printable
+    from .render import printable
 
     if args.markdown:
         print(printable(bugdocs.reflow(text, WIDTH), keep="\n"))

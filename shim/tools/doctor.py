@@ -264,8 +264,8 @@ COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verd
 def print_table(registry: Registry, names: Sequence[str], wide: bool, write: Callable[[str], None]) -> list[Finding]:
     """doctor's table, written through ``write``: the header at once, each row as its check finishes,
     then the total, the reasons of the verdicts that need one and the notes that concern these
-    patches, each fitted to :data:`~shim.tools.report.WIDTH` columns unless ``wide``."""
-    from .report import column_widths, fitted, rule, table_line
+    patches, each fitted to :data:`~shim.tools.render.WIDTH` columns unless ``wide``."""
+    from .render import column_widths, fitted, rule, table_line
 
     chosen = sorted(names or registry.names)
     before = {record.name: record for record in registry.status()}

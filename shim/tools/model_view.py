@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-from collections.abc import Iterable
 from typing import Any
-
-_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,26 +42,9 @@ class ModelView:
         return plain
 
     def __str__(self) -> str:
-        lines = [f"hf-train-shim on this {self.model}:"]
-        if not self.checkpointing:
-            lines.append("  checkpointing: no module of it can checkpoint")
-        for group in self.checkpointing:
-            state = "on" if group.on else "off"
-            lines.append(f"  checkpointing {state}: {spans(group.modules)} ({len(group.modules)} module(s))")
-            if group.on:
-                lines.append(f"    through {group.function} {group.kwargs}")
-        acting = {name: said for name, said in self.patches.items() if said}
-        for name, said in acting.items():
-            lines += [f"  {name}: {sentence}" for sentence in said]
-        idle = sorted(name for name, said in self.patches.items() if not said)
-        if idle:
-            lines.append(f"  on, with nothing to do on this model now: {', '.join(idle)}")
-        for name, adapter in self.adapters.items():
-            active = "active" if adapter["active"] else "inactive"
-            lines.append(
-                f"  adapter {name!r}: {active}, {adapter['trainable']} of {adapter['parameters']} parameter(s) trainable"
-            )
-        return "\n".join(lines)
+        from .render import view_text
+
+        return view_text(self)
 
 
 def _plain(value: Any) -> Any:
@@ -147,28 +126,3 @@ def adapters(model: Any) -> dict[str, dict[str, Any]]:
             "parameters": len(parameters),
         }
     return out
-
-
-def spans(names: Iterable[str]) -> str:
-    """``model.layers.0-3, lm_head``: consecutive numbered names of one parent written as a span."""
-    out: list[str] = []
-    run: list[tuple[str, int]] = []
-
-    def flush() -> None:
-        if run:
-            prefix, first, last = run[0][0], run[0][1], run[-1][1]
-            out.append(f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}")
-            run.clear()
-
-    for name in names:
-        match = _NUMBERED.match(name)
-        if match and run and run[-1][0] == match.group(1) and run[-1][1] + 1 == int(match.group(2)):
-            run.append((match.group(1), int(match.group(2))))
-            continue
-        flush()
-        if match:
-            run.append((match.group(1), int(match.group(2))))
-        else:
-            out.append(name)
-    flush()
-    return ", ".join(out)

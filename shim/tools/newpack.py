@@ -10,10 +10,13 @@ what to change. A development tool: nothing of it runs at ``import shim``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import textwrap
 
 from .. import gating
+from ..catalogue import builtin
 from ..settings import PATCH_NAME, shown
 from .packindex import block
 from .run import say
@@ -186,24 +189,72 @@ def files(name: str) -> dict[str, str]:
     }
 
 
-def new_pack(name: str, folder: str | None = None) -> int:
-    """Write the pack ``name`` into ``folder`` (default: ``./NAME``): 0, or 2 where ``name`` is no
-    patch name or ``folder`` holds files already (said on stderr)."""
+#: The longest name a pack may have: its package's test file (``test_<package>.py``) stays within
+#: every file system's 255-byte name, and its status row within the table's 100 columns.
+LONGEST = 64
+
+
+def refused(name: str) -> str | None:
+    """Why ``name`` cannot name a new pack (one line), or ``None``: not a patch name, too long, a
+    built-in patch's name, or a package that would shadow an importable module (``shim``,
+    ``torch``, ``json``, ...: where the pack's ``src`` is on ``sys.path``, ``import`` would find the
+    pack's package instead, and ``import shim`` would silently apply nothing)."""
     if not PATCH_NAME.match(name):
-        say(f"python -m shim new-pack: {shown(name)} is not a patch name (kebab-case, e.g. 'my-team-fixes')")
-        return 2
-    folder = folder or name
+        return f"{shown(name)} is not a patch name (kebab-case, e.g. 'my-team-fixes')"
+    if len(name) > LONGEST:
+        return f"{shown(name)} is longer than {LONGEST} characters"
+    if name in {listing.name for listing in builtin()}:
+        return f"{shown(name)} is a built-in patch's name: a pack's patch needs its own"
+    package = name.replace("-", "_")
+    if package in sys.stdlib_module_names or package in sys.builtin_module_names:
+        return f"its package {package!r} would shadow the standard library's module {package!r}"
+    if importable(package):
+        return f"its package {package!r} would shadow the module {package!r} importable here"
+    return None
+
+
+def importable(package: str) -> bool:
+    """Whether ``import package`` finds a module now (searched for, not imported)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken one
+        return True
+
+
+def unusable(folder: str) -> str | None:
+    """Why ``folder`` cannot take a new pack (one line), or ``None``: it must be new or empty."""
+    if os.path.islink(folder) and not os.path.exists(folder):
+        return f"{shown(folder, 200)} is a symbolic link to nothing"
     if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-        say(f"python -m shim new-pack: {shown(folder, 200)} exists and is not an empty folder")
+        return f"{shown(folder, 200)} exists and is not an empty folder"
+    return None
+
+
+def new_pack(name: str, folder: str | None = None) -> int:
+    """Write the pack ``name`` into ``folder`` (default: ``./NAME``): 0, or 2 where ``name`` is
+    :func:`refused`, ``folder`` is :func:`unusable` or a file cannot be written (one line on stderr)."""
+    folder = folder or name
+    try:
+        problem = refused(name) or unusable(folder)
+        if problem is None:
+            write(folder, files(name))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the folder's name
+        problem = f"cannot write into {shown(folder, 200)}: {getattr(exc, 'strerror', None) or exc}"
+    if problem:
+        say(f"python -m shim new-pack: {problem}")
         return 2
-    for path, text in files(name).items():
-        target = os.path.join(folder, path)
-        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-        with open(target, "w", encoding="utf-8") as file:
-            file.write(text)
     print(
         textwrap.dedent(f"""\
         {folder}: the patch pack {name}, patch {name} on {TARGET}
         next: pip install -e {folder}, then python -m shim doctor {name}""")
     )
     return 0
+
+
+def write(folder: str, texts: dict[str, str]) -> None:
+    """Each ``{relative path: text}`` of ``texts`` written under ``folder``."""
+    for path, text in texts.items():
+        target = os.path.join(folder, path)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        with open(target, "w", encoding="utf-8") as file:
+            file.write(text)

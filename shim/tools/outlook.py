@@ -1,5 +1,6 @@
-"""What each patch does in this environment, said before its targets are imported: the summary line
-that opens ``python -m shim`` and the state a pending patch shows there (``will apply``, ``will skip``).
+"""What each patch does in this environment, said before its targets are imported: the kinds the
+summary line that opens ``python -m shim`` counts and the state a pending patch shows there (``will
+apply``, ``will skip``); ``shim.tools.render`` writes them.
 
 A pending patch is one whose target modules this process has not imported yet. The gates decide as
 the import will: the status reason already holds the patch's own gate (``Entry.shown``);
@@ -12,7 +13,7 @@ is still found out only at the import, as the engine finds it.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,19 +39,6 @@ SKIPPED = "skipped"
 WILL_APPLY = "will apply"
 WILL_SKIP = "will skip"
 WILL_PROBE = "will probe"  # its bug probe decides at the import (shim.probing)
-
-# How the summary line names each kind besides APPLIES, for one patch and for several.
-_SAID = {
-    OUTSIDE: ("outside its versions", "outside their versions"),
-    NOT_INSTALLED: ("needs a library that is not installed", "need a library that is not installed"),
-    FIXED_UPSTREAM: (
-        "fixed upstream (its bug probe found the fix: it steps aside)",
-        "fixed upstream (their bug probes found the fix: they step aside)",
-    ),
-    OPTED_OUT: ("opted out", "opted out"),
-    BROKEN: ("failed", "failed"),
-    SKIPPED: ("skipped (see its reason)", "skipped (see their reasons)"),
-}
 
 
 @dataclass(frozen=True)
@@ -140,22 +128,3 @@ def _installed(package: str) -> bool:
 
 def outlooks(records: Iterable[PatchStatus], registry: Registry) -> dict[str, Outlook]:
     return {record.name: outlook(record, registry) for record in records}
-
-
-def summary(records: Sequence[PatchStatus], seen: dict[str, Outlook]) -> str:
-    """The line that opens ``python -m shim``: ``16 of 19 patches apply to the installed releases; 1
-    outside its versions: peft-adapter-trainability; 2 need a library that is not installed: ...``."""
-    if not records:
-        return "no patch is registered"
-    names: dict[str, list[str]] = {}
-    for record in sorted(records, key=lambda r: r.name):
-        names.setdefault(seen[record.name].kind, []).append(record.name)
-    applying = len(names.get(APPLIES, ()))
-    verb = "applies" if applying == 1 else "apply"
-    parts = [
-        f"{applying} of {len(records)} {'patch' if len(records) == 1 else 'patches'} {verb} to the installed releases"
-    ]
-    for kind, (one, many) in _SAID.items():
-        if names.get(kind):
-            parts.append(f"{len(names[kind])} {one if len(names[kind]) == 1 else many}: {', '.join(names[kind])}")
-    return "; ".join(parts)

@@ -21,13 +21,16 @@ import sys
 
 from ..packs import GROUP, TARGETS
 from .run import say
+from .tomltables import TableError, header_line, lines_of, span, with_table
 
-HEADER = f'[project.entry-points."{TARGETS}"]'
-PATCHES = f'[project.entry-points."{GROUP}"]'
-NOTE = (
-    "# Written by `python -m shim pack-index` from each patch's targets: the shim imports a patch's\n"
-    "# module only once one of these modules is imported. Run it again when a target changes."
-)
+#: The keys of the tables of ``pyproject.toml`` this reads and writes.
+PATCHES_KEY = ("project", "entry-points", GROUP)
+TARGETS_KEY = ("project", "entry-points", TARGETS)
+PATCHES = header_line(PATCHES_KEY)
+NOTE = [
+    "# Written by `python -m shim pack-index` from each patch's targets: the shim imports a patch's",
+    "# module only once one of these modules is imported. Run it again when a target changes.",
+]
 
 
 class CannotIndex(Exception):
@@ -36,15 +39,15 @@ class CannotIndex(Exception):
 
 def declared_patches(text: str) -> dict[str, str]:
     """``{patch name: "module:attribute"}`` of the ``hf_train_shim.patches`` table of a
-    ``pyproject.toml``'s text, written as the guide and ``new-pack`` write it: its header, then one
-    ``name = "module:attribute"`` a line (read line by line, as :func:`rewritten` edits the file:
-    Python 3.10 has no TOML reader)."""
-    lines = [line.strip() for line in text.splitlines()]
-    span = table_lines(lines, PATCHES)
-    if span is None:
+    ``pyproject.toml``'s text, written as the guide and ``new-pack`` write it: its header (quoted
+    any way TOML allows), then one ``name = "module:attribute"`` a line (read line by line, as
+    :func:`~shim.tools.tomltables.with_table` edits the file: Python 3.10 has no TOML reader)."""
+    lines = lines_of(text)
+    found = span(lines, PATCHES_KEY)
+    if found is None:
         raise CannotIndex(f'no {PATCHES} table: declare each patch there, one my-fix = "my_pack.fixes:PATCH" a line')
     patches = {}
-    for line in lines[span[0] + 1 : span[1]]:
+    for line in (line.strip() for line in lines[found[0] + 1 : found[1]]):
         if line and not line.startswith("#"):
             name, _, value = line.partition("=")
             patches[name.strip().strip("\"'")] = value.partition("#")[0].strip().strip("\"'")
@@ -73,37 +76,26 @@ def targets(folder: str, patches: dict[str, str]) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def block(modules: dict[str, tuple[str, ...]]) -> str:
-    """The ``hf_train_shim.targets`` table listing ``{patch name: its target modules}``."""
-    lines = [HEADER, NOTE]
+def entries(modules: dict[str, tuple[str, ...]]) -> list[str]:
+    """The lines of the ``hf_train_shim.targets`` table listing ``{patch name: its target modules}``."""
+    lines = list(NOTE)
     for name, names in modules.items():
         lines += [f'"{name}.{module}" = "{module}"' for module in names]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def rewritten(text: str, new: str) -> str:
-    """``text`` with its ``hf_train_shim.targets`` table replaced by ``new``; where there is none,
-    ``new`` added after the patches table (or at the end)."""
-    lines = text.splitlines(keepends=True)
-    stripped = [line.strip() for line in lines]
-    mine, after = table_lines(stripped, HEADER), table_lines(stripped, PATCHES)
-    if mine is not None:
-        return "".join([*lines[: mine[0]], new, *lines[mine[1] :]])
-    if after is not None:
-        return "".join([*lines[: after[1]], "\n", new, *lines[after[1] :]])
-    return text.rstrip("\n") + "\n\n" + new
+def block(modules: dict[str, tuple[str, ...]]) -> str:
+    """The ``hf_train_shim.targets`` table listing ``{patch name: its target modules}``, header first."""
+    return "\n".join([header_line(TARGETS_KEY), *entries(modules)]) + "\n"
 
 
-def table_lines(stripped: list[str], header: str) -> tuple[int, int] | None:
-    """Where the table ``header`` is among the ``stripped`` lines of a ``pyproject.toml``: its header's
-    index, and the index after its last line that is not blank (``None`` where it is not there)."""
-    if header not in stripped:
-        return None
-    start = stripped.index(header)
-    end = next((i for i in range(start + 1, len(stripped)) if stripped[i].startswith("[")), len(stripped))
-    while end > start + 1 and not stripped[end - 1]:  # the blank lines before the next table stay
-        end -= 1
-    return start, end
+def rewritten(text: str, modules: dict[str, tuple[str, ...]]) -> str:
+    """``text`` with its ``hf_train_shim.targets`` table listing ``modules``; where there is none, one
+    added after the patches table (or at the end)."""
+    try:
+        return with_table(text, TARGETS_KEY, entries(modules), after=PATCHES_KEY)
+    except TableError as exc:
+        raise CannotIndex(str(exc)) from None
 
 
 def index(folder: str, check: bool = False) -> int:
@@ -111,9 +103,9 @@ def index(folder: str, check: bool = False) -> int:
     (``check``), 2 it cannot be indexed (said on stderr)."""
     path = os.path.join(os.path.abspath(folder), "pyproject.toml")
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8", newline="") as file:  # its line endings as they are
             text = file.read()
-        new = rewritten(text, block(targets(os.path.dirname(path), declared_patches(text))))
+        new = rewritten(text, targets(os.path.dirname(path), declared_patches(text)))
     except (OSError, UnicodeDecodeError, CannotIndex) as exc:
         say(f"python -m shim pack-index: {path}: {exc}")
         return 2
@@ -123,7 +115,7 @@ def index(folder: str, check: bool = False) -> int:
     if check:
         say(f"{path}: the target modules listed are not the patches' own: run python -m shim pack-index")
         return 1
-    with open(path, "w", encoding="utf-8") as file:
+    with open(path, "w", encoding="utf-8", newline="") as file:
         file.write(new)
     print(f"{path}: target modules listed in {TARGETS}")
     return 0

@@ -1,84 +1,21 @@
-"""The effects table (``shim.report()``, ``SHIM_REPORT=1`` at exit) and the plain tables of
-``python -m shim`` and doctor, made of status records.
+"""What the shim says at exit (the line, or the effects table with ``SHIM_REPORT=1``) and
+``shim.report()``: the counts of this process, its workers and its job's ranks, gathered here and
+rendered by ``shim.tools.render``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import textwrap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..entry import APPLIED
 from . import processes, ranks, workers
+from .render import Row, effects_table, idle_group
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
-
-#: Columns a table, report or help text fits, unless the user asks for ``--wide``.
-WIDTH = 100
-
-
-def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: Sequence[int] = ()) -> str:
-    """A plain text table; columns listed in ``right`` are right-aligned (numbers)."""
-    widths = column_widths([header, *rows])
-    lines = [table_line(row, widths, right) for row in [header, *rows]]
-    lines.insert(1, rule(widths))
-    return "\n".join(lines)
-
-
-def column_widths(rows: Sequence[Sequence[object]]) -> list[int]:
-    """The width of each column of ``rows`` (the header among them): its widest cell."""
-    return [max(len(printable(str(row[i]))) for row in rows) for i in range(len(rows[0]))]
-
-
-def table_line(row: Sequence[object], widths: Sequence[int], right: Sequence[int] = ()) -> str:
-    """One line of a table whose columns are ``widths`` wide (a wider cell pushes the rest along):
-    doctor prints each row as its check finishes, before the others are known."""
-    cells = [printable(str(cell)) for cell in row]
-    parts = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
-    return "  ".join(parts).rstrip()
-
-
-def rule(widths: Sequence[int]) -> str:
-    """The line below a table's header."""
-    return "  ".join("-" * w for w in widths)
-
-
-def fitted(text: str, wide: bool = False, indent: str = "", more: str = "  ") -> list[str]:
-    """``text`` as lines of :data:`WIDTH` columns, or one line where ``wide``; :func:`printable`."""
-    text = printable(text)
-    return [indent + text] if wide else _wrap(text, WIDTH, indent, more)
-
-
-def printable(text: str, keep: str = "") -> str:
-    """``text`` for a terminal: each character that does not print (ESC, BEL, a carriage return, a
-    bidirectional override) escaped as ``repr`` escapes it, as the shim's messages quote ``SHIM_*``
-    values; ``keep``: characters left as they are (explain keeps its newlines). A patch pack's
-    summary, story, reason or bug probe error cannot move the cursor or colour the screen."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
-
-
-def _wrap(text: str, width: int, indent: str, more: str) -> list[str]:
-    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=more, break_on_hyphens=False)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One patch in the effects table: of one process, or of a job's ranks together."""
-
-    name: str
-    effects: int
-    last_effect: str
-    group: str  # the line it is listed on when it changed nothing: "applied, nothing to change", "skipped", ...
-    others: tuple[str, ...] = ()
-    ranks: str = ""  # a job's table: the ranks it changed something in
-    last_rank: int | None = None  # a job's table: the rank the last effect shown is from
 
 
 def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | None = None) -> str:
@@ -94,49 +31,15 @@ def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | N
         workers.merged(effects, last, handed_over)
         who = workers.with_workers(who, handed_over)
     rows = [
-        Row(r.name, effects[r.name], last[r.name], _group(str(r.state)), tuple(o["text"] for o in r.others))
+        Row(r.name, effects[r.name], last[r.name], idle_group(str(r.state)), tuple(o["text"] for o in r.others))
         for r in records
     ]
-    return _table(who, rows, _prefix())
-
-
-def _group(state: str) -> str:
-    return "applied, nothing to change" if state == APPLIED else state
+    return effects_table(who, rows, _prefix())
 
 
 def _prefix(rank: object = None) -> str:
     rank = processes.rank() if rank is None else rank
     return f"[rank {rank}] " if rank is not None else ""
-
-
-def _table(who: str, rows: Sequence[Row], prefix: str, footer: Sequence[str] = ()) -> str:
-    width = max(WIDTH - len(prefix), 40)
-    rows = sorted(rows, key=lambda row: row.name)
-    changed = [row for row in rows if row.effects]
-    title = f"hf-train-shim report ({who}): {len(changed)} of {len(rows)} patches changed something"
-    lines = _wrap(title, width, "", "  ")
-    if changed:
-        ranked = any(row.ranks for row in changed)
-        cells = [[row.name, row.effects, *([row.ranks] if ranked else [])] for row in changed]
-        header = ["patch", "effects", *(["ranks"] if ranked else [])]
-        shown = table(cells, header, right=(1,)).splitlines()
-        lines += ["  " + line for line in shown[:2]]
-        for row, line in zip(changed, shown[2:]):
-            source = "" if row.last_rank is None else f" (rank {row.last_rank})"
-            lines += ["  " + line, *_wrap(f"last effect{source}: {row.last_effect}", width, " " * 6, " " * 8)]
-    groups: dict[str, list[str]] = {_group(APPLIED): []}  # then skipped, pending, ...
-    for row in rows:
-        if not row.effects:
-            groups.setdefault(row.group, []).append(row.name)
-    for label, names in groups.items():
-        if names:
-            lines += _wrap(f"{label}: {', '.join(names)}", width, "  ", "    ")
-    for row in rows:  # another patcher on a target: said at exit too, where it decides what ran
-        for other in row.others:
-            lines += _wrap(f"{row.name}: other patcher: {other}", width, "  ", "    ")
-    for line in footer:
-        lines += _wrap(line, width, "  ", "    ")
-    return "\n".join(prefix + line for line in lines)
 
 
 def acted_line(
@@ -274,7 +177,7 @@ def job_report(joined: ranks.Joined, expected: int, table: bool) -> str:
         who = rank_list(numbers) + (f"; {missing} of {expected} had not finished" if missing > 0 else "")
     if not table:
         return acted_line(totals, who, prefix, where)
-    return _table(who, _job_rows(records, totals, every), prefix)
+    return effects_table(who, _job_rows(records, totals, every), prefix)
 
 
 def _job_rows(records: Sequence[dict[str, Any]], totals: Mapping[str, int], acted_in: Mapping[str, str]) -> list[Row]:
@@ -289,7 +192,7 @@ def _job_rows(records: Sequence[dict[str, Any]], totals: Mapping[str, int], acte
     rows = []
     for name, seen in states.items():
         if len(seen) == 1:
-            group = _group(next(iter(seen)))
+            group = idle_group(next(iter(seen)))
         else:
             group = ", ".join(f"{state} in {rank_list(found)}" for state, found in seen.items())
         last, rank = "", None

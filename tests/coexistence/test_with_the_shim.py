@@ -188,7 +188,7 @@ def test_axolotls_offloading_checkpoint_runs_with_the_shim():
 
 
 def test_the_other_patcher_is_logged_once_and_shown_by_the_command_line(caplog):
-    from shim.tools.cli import status_table
+    from shim.tools.render import status_table
 
     with applied(lambda: patchers.own_noop(DISABLE), before_the_shim=False):  # seen by no other test
         with caplog.at_level("INFO", logger="shim"):

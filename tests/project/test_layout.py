@@ -228,6 +228,29 @@ def test_the_engine_has_no_import_circle():
         visit(module, [])
 
 
+def test_the_wings_have_no_import_circle():
+    """Within a wing too, each module imports only modules that do not import it back (also lazily,
+    also for type checking): the tables and lines the tools print live in ``shim.tools.render``,
+    which the commands, the bug report and the exit report import, never the other way round."""
+    graph = shim_graph()
+    wings = {
+        name: {module for module in graph[name] if module.startswith(name.rpartition(".")[0] + ".")} for name in graph
+    }
+    wings = {name: imported for name, imported in wings.items() if name.startswith(tuple(f"{w}." for w in WINGS))}
+    assert {"shim.tools.cli", "shim.tools.bugreport", "shim.tools.render"} <= set(wings), "where this test looks"
+    assert "shim.tools.render" in wings["shim.tools.bugreport"] & wings["shim.tools.cli"], (
+        "the graph must see the imports"
+    )
+
+    def visit(module, path):
+        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"
+        for imported in wings.get(module, ()):
+            visit(imported, [*path, module])
+
+    for module in wings:
+        visit(module, [])
+
+
 def test_no_patch_imports_another_patch():
     """A patch is one bug's fix: what two patches share lives in a helper module (``_name.py``),
     never in another patch, so switching one off or deleting it never changes another."""

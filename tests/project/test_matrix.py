@@ -468,3 +468,10 @@ def test_each_generated_block_round_trips_in_its_own_file(tmp_path, monkeypatch)
         assert table.block(name) == "old"
         table.write_block(name, "new\ntable")
         assert table.block(name) == "new\ntable" and path.read_text().endswith(f"{end}\noutro\n")
+
+
+def test_a_shared_run_with_report_only_runs_nothing_and_says_so(tmp_path, capsys):
+    """``--share DIR --report-only``: no cell runs here, so the shared run's line counts none (it
+    used to stop on the run's time, which only a run that ran cells has)."""
+    assert matrix.main(["--share", str(tmp_path / "claims"), "--report-only"]) == 0
+    assert "matrix (shared, this run's cells): 0 passed, 0 failed" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import pytest
 
 import shim
 from shim import patches as catalogue
-from shim.tools.cli import WIDTH, status_table
+from shim.tools.render import WIDTH, status_table
 from tests.conftest import ROOT, clean_environment, run_python
 
 # The outcome does not depend on the installed transformers / trl / peft: the default cell runs it,

@@ -82,6 +82,53 @@ def test_a_name_that_is_no_patch_name_or_a_folder_in_use_is_refused(tmp_path):
     assert os.listdir(tmp_path / "b") == ["keep.txt"]
 
 
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("shim", "its package 'shim' would shadow the module 'shim' importable here"),
+        ("torch", "its package 'torch' would shadow the module 'torch' importable here"),
+        ("transformers", "its package 'transformers' would shadow the module 'transformers' importable here"),
+        ("json", "its package 'json' would shadow the standard library's module 'json'"),
+        ("checkpointing-restore", "'checkpointing-restore' is a built-in patch's name"),
+        ("a" * 300, "(300 characters) is longer than 64 characters"),
+    ],
+)
+def test_a_name_that_would_shadow_a_module_or_a_patch_or_is_too_long_is_refused(tmp_path, name, why):
+    """In the pack's folder, a package named ``shim`` (or ``torch``, ``json``) is what ``import``
+    finds: ``import shim`` there would silently apply nothing. Refused in one line, nothing written."""
+    done = shim_command("-m", "shim", "new-pack", name, str(tmp_path / "p"))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("python -m shim new-pack: ") and done.stderr.count("\n") == 1
+    assert why in done.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def unwritable_folders(tmp_path) -> dict[str, tuple[str, str]]:
+    """``{case: (folder, what the line says)}`` for the folders no pack can be written into here."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("mine")
+    folders = {
+        "dangling symbolic link": (str(tmp_path / "dangling"), "is a symbolic link to nothing"),
+        "a file": (str(tmp_path / "a-file"), "exists and is not an empty folder"),
+        "below a file": (str(tmp_path / "a-file" / "pack"), "Not a directory"),
+        "300-character folder": (str(tmp_path / ("d" * 300)), "File name too long"),
+    }
+    if os.geteuid() != 0:  # root writes into a read-only folder
+        (tmp_path / "read-only").mkdir(mode=0o555)
+        folders["read-only folder"] = (str(tmp_path / "read-only"), "Permission denied")
+    elif os.path.isdir("/sys"):  # sysfs refuses a new folder, root's too
+        folders["read-only folder"] = ("/sys/my-team-fixes", "Operation not permitted")
+    return folders
+
+
+def test_a_folder_that_cannot_take_the_pack_is_one_line_and_no_traceback(tmp_path):
+    for case, (folder, why) in unwritable_folders(tmp_path).items():
+        done = shim_command("-m", "shim", "new-pack", NAME, folder)
+        assert done.returncode == 2, case
+        assert len(done.stderr.splitlines()) == 1 and why in done.stderr, (case, done.stderr)
+    assert sorted(os.listdir(tmp_path)) == sorted(["dangling", "a-file", *(["read-only"] * (os.geteuid() != 0))])
+
+
 def test_pack_index_writes_and_checks_the_target_modules(tmp_path):
     assert shim_command("-m", "shim", "new-pack", NAME, str(tmp_path / "p")).returncode == 0
     pyproject = tmp_path / "p" / "pyproject.toml"

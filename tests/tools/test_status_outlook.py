@@ -11,7 +11,7 @@ import shim
 from shim import Registry
 from shim.patches import INDEX
 from shim.tools import outlook
-from shim.tools.cli import status_table
+from shim.tools.render import status_table, summary
 from tests.conftest import ROOT, python_m_shim
 from tests.engine.fakes import make_patch
 
@@ -104,7 +104,7 @@ def test_the_outlook_of_made_up_patches(fake_modules):
         "missing": (outlook.NOT_INSTALLED, "skipped"),
         "opted-out": (outlook.OPTED_OUT, "disabled"),
     }
-    assert outlook.summary(records, seen) == (
+    assert summary(records, seen) == (
         "1 of 4 patches applies to the installed releases; 1 outside its versions: outside; "
         "1 needs a library that is not installed: missing; 1 opted out: opted-out"
     )
@@ -146,7 +146,7 @@ def test_a_build_the_shim_was_not_measured_on_will_probe_and_a_patch_that_steps_
     records = registry.status()
     seen = outlook.outlooks(records, registry)
     assert (seen["fixed"].kind, seen["has-the-bug"].kind) == (outlook.FIXED_UPSTREAM, outlook.APPLIES)
-    assert outlook.summary(records, seen) == (
+    assert summary(records, seen) == (
         "1 of 2 patches applies to the installed releases; "
         "1 fixed upstream (its bug probe found the fix: it steps aside): fixed"
     )
