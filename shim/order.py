@@ -12,7 +12,7 @@ first; the checkpointing path's steps act on a call in the same order. A patch p
 
 Each place holds the built-ins first, then the patch packs and patches given to ``shim.register()``,
 in the order they register. The order is checked where it is declared: an unknown name, a cycle or
-an ``after`` that contradicts a ``place`` is an error when ``python -m shim.patches --write``
+an ``after`` that contradicts a ``place`` is an error when ``python -m shim index``
 generates the built-ins' index (which lists them in this order), and a ``ValueError`` from
 ``Registry.register`` for a pack or a patch of your own (a pack is then left out with a warning).
 

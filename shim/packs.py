@@ -2,7 +2,7 @@
 
 A pack declares each patch as an entry point whose name is the patch's name and whose value points at
 its :class:`shim.Patch`; its record, the rest of what the registry needs before importing anything
-(``shim.catalogue.Listing``), sits beside it in two more groups, which ``python -m shim pack-index``
+(``shim.catalogue.Listing``), sits beside it in two more groups, which ``python -m shim index``
 writes from the patches themselves::
 
     [project.entry-points."hf_train_shim.patches"]
@@ -68,9 +68,9 @@ if TYPE_CHECKING:
 
 #: The entry-point group a pack declares its patches in.
 GROUP = "hf_train_shim.patches"
-#: The entry-point group a pack lists its patches' target modules in (``python -m shim pack-index``).
+#: The entry-point group a pack lists its patches' target modules in (``python -m shim index``).
 TARGETS = "hf_train_shim.targets"
-#: The entry-point group a pack lists its patches' places and ``after`` in (``python -m shim pack-index``).
+#: The entry-point group a pack lists its patches' places and ``after`` in (``python -m shim index``).
 ORDER = "hf_train_shim.order"
 #: The most bytes read of one metadata file; a larger one is not a pack's.
 LIMIT = 1 << 20

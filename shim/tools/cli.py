@@ -1,6 +1,6 @@
 """Command line: ``python -m shim [status] [--json] [--import-targets] [--wide]``, ``python -m shim doctor``,
 ``python -m shim explain <patch>``, ``python -m shim bug-report``, ``python -m shim new-pack NAME [DIR]``,
-``python -m shim pack-index [DIR] [--check]`` and ``python -m shim run [--] <command ...>`` (the
+``python -m shim index [DIR] [--check]`` and ``python -m shim run [--] <command ...>`` (the
 ``shim-run`` console script): :data:`COMMANDS`. The help texts are in ``shim.tools.helptext``, the
 tables and lines it prints in ``shim.tools.render``."""
 
@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import IO, TYPE_CHECKING
 
 from .. import __version__
-from ..packs import GROUP, TARGETS
+from ..packs import GROUP, ORDER, TARGETS
 from ..settings import did_you_mean, shown
 from .helptext import DESCRIPTION, DOCTOR_DESCRIPTION, ENVIRONMENT, EXIT_CODES, STATES
 from .render import WIDTH, by_name, fitted, status_table  # the tables and the help texts fit WIDTH columns
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..registry import Registry
 
 
-COMMANDS = ("status", "doctor", "explain", "bug-report", "new-pack", "pack-index", "run")
+COMMANDS = ("status", "doctor", "explain", "bug-report", "new-pack", "index", "run")
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -102,16 +102,17 @@ def _parser() -> argparse.ArgumentParser:
     new_pack.add_argument("name", help="the pack's name, kebab-case: its distribution, package and first patch")
     new_pack.add_argument("dir", nargs="?", help="the folder to write it into (default: ./NAME; new or empty)")
     new_pack.set_defaults(parser=new_pack)
-    pack_index = commands.add_parser(
-        "pack-index",
-        help="list a patch pack's target modules in its pyproject.toml",
-        description=f"Import the patches a pack's pyproject.toml declares ({GROUP}) and list the modules\n"
-        f"each targets in {TARGETS}: the shim then imports a patch's module only once one of them is.",
+    index = commands.add_parser(
+        "index",
+        help="write each patch's record (a pack's pyproject.toml tables, or this repository's index)",
+        description=f"Import the patches a pack's pyproject.toml declares ({GROUP}) and write their records:\n"
+        f"the modules each targets ({TARGETS}) and its place and after= ({ORDER}), which the shim\n"
+        "reads before importing a patch's module. In hf-train-shim's checkout: the built-ins' index.",
         formatter_class=_formatter,
     )
-    pack_index.add_argument("dir", nargs="?", default=".", help="the pack's folder (default: the current one)")
-    pack_index.add_argument("--check", action="store_true", help="change nothing; exit 1 where the list is stale")
-    pack_index.set_defaults(parser=pack_index)
+    index.add_argument("dir", nargs="?", default=".", help="the pack's folder (default: the current one)")
+    index.add_argument("--check", action="store_true", help="change nothing; exit 1 where a record is stale")
+    index.set_defaults(parser=index)
     commands.add_parser(  # parsed by shim.tools.run: everything after it is the command's
         "run",
         help="run [--] <command ...> with the shim in every Python process (the shim-run command)",
@@ -245,8 +246,8 @@ def _command(argv: list[str]) -> int:
         return new_pack(args.name, args.dir)
     import shim
 
-    if args.command == "pack-index":
-        from .packindex import index
+    if args.command == "index":
+        from .index import index
 
         return index(args.dir, args.check)
     if args.command == "explain":

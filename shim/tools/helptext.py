@@ -20,7 +20,7 @@ commands:
             without a name, every patch and its summary
   bug-report  the versions, the status, doctor and the SHIM_* variables, as Markdown to paste
   new-pack  new-pack NAME [DIR]: write a patch pack of your own that works as it is
-  pack-index  list a patch pack's target modules in its pyproject.toml (--check: is it current)
+  index     write each patch's record: a pack's pyproject.toml tables (--check: are they current)
   run       run [--] <command ...> with the shim imported first in every Python process it starts
             (torchrun, accelerate launch, deepspeed and their ranks); also the shim-run command"""
 

@@ -18,7 +18,7 @@ import textwrap
 from .. import gating
 from ..catalogue import builtin
 from ..settings import PATCH_NAME, shown
-from .packindex import block
+from .index import block
 from .run import say
 
 TARGET = "transformers.trainer_utils:set_seed"
@@ -96,7 +96,7 @@ def _bug_probe() -> Evidence:
 
 
 # The module stays light (the shim and the standard library): the shim imports it when one of
-# its target modules is imported, and `python -m shim pack-index` lists those in pyproject.toml.
+# its target modules is imported, and `python -m shim index` lists those in pyproject.toml.
 PATCH = Patch(
     name=NAME,
     summary="What the patch fixes, in one line.",
@@ -142,7 +142,7 @@ def test_the_bug_probe_finds_no_bug_with_the_patch_on():
 
 def test_pyproject_lists_the_target_modules():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-m", "shim", "pack-index", "--check", root], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "shim", "index", "--check", root], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 '''
 
@@ -161,7 +161,7 @@ python -m pytest
 ```
 
 Change `src/{package}/fixes.py` (the target, the wrapper, the gate, the bug probe, the story in
-its docstring), then run `python -m shim pack-index` to list the new target modules in
+its docstring), then run `python -m shim index` to list the new target modules in
 `pyproject.toml`, and reinstall.
 """
 

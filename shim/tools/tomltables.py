@@ -1,6 +1,6 @@
 """The tables of a TOML file (a ``pyproject.toml``), found as TOML finds them and rewritten in place.
 
-A tool that writes a table of a pack's ``pyproject.toml`` (``python -m shim pack-index``) replaces
+A tool that writes a table of a pack's ``pyproject.toml`` (``python -m shim index``) replaces
 that table's lines and leaves every other byte as it was: the comments, the quoting, the line endings
 (CRLF stays CRLF). A table is found by its parsed key, as TOML reads a header, not by its text:
 ``[project.entry-points."hf_train_shim.targets"]``, ``[ project . entry-points . 'hf_train_shim.targets' ]``

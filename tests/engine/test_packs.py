@@ -140,7 +140,7 @@ def test_a_pack_without_a_record_is_refused_with_the_command_that_writes_it(tmp_
     _registry, held, (message,) = registered(tmp_path)
     assert held == [] and f"{name}.fixes" not in sys.modules
     assert message.startswith(message_of(name, "double-one"))
-    assert "its record lists no target modules (hf_train_shim.targets): run python -m shim pack-index" in message
+    assert "its record lists no target modules (hf_train_shim.targets): run python -m shim index" in message
 
 
 @pytest.mark.parametrize("switch", ["all", "double-one"])
@@ -192,7 +192,7 @@ BROKEN = {
     "exits at import": ({"exits-at-import": "{n}.fixes:PATCH"}, "import argparse\nargparse.ArgumentParser().parse_args(['--lr', '1'])", "cannot be imported (SystemExit(2)"),
     "not a Patch": ({"not-a-patch": "{n}.fixes:PATCH"}, "PATCH = {'name': NAME}", "is a dict, not a shim.Patch"),
     "another name": ({"called-this": "{n}.fixes:PATCH"}, GOOD.replace("name=NAME", "name='that'"), "its module's Patch is 'that'"),
-    "stale list": ({"stale-list": "{n}.fixes:PATCH"}, GOOD.replace('TARGET + ":one"', '"json:dumps"'), "run python -m shim pack-index"),
+    "stale list": ({"stale-list": "{n}.fixes:PATCH"}, GOOD.replace('TARGET + ":one"', '"json:dumps"'), "run python -m shim index"),
 }  # fmt: skip
 
 
@@ -584,7 +584,7 @@ def test_a_stale_target_list_is_said_wherever_the_module_is_loaded(tmp_path, mon
         (status,) = registry.status()
     (message,) = said(caught)
     assert f"its record lists the target modules {name}.target, its Patch targets json" in message
-    assert "run python -m shim pack-index in the pack and reinstall it" in message and message in status.reason
+    assert "run python -m shim index in the pack and reinstall it" in message and message in status.reason
     registry.deactivate()
 
 

@@ -914,8 +914,8 @@ def test_finds_layer_stays_innermost_whatever_a_new_step_is_called_or_declared_a
     next to upstream in the one order, without naming the steps before it."""
     import dataclasses
 
-    from shim.catalogue import declared
     from shim.order import stacking_order
+    from shim.tools.index import declared
     from tests.patches import late_step
 
     step = dataclasses.replace(late_step.PATCH, name=name, after=after)
@@ -978,7 +978,8 @@ def test_a_patch_packs_step_is_ordered_with_the_built_ins_steps(tmp_path):
     (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-step-pack\nVersion: 1.0\n")
     (metadata / "entry_points.txt").write_text(
         "[hf_train_shim.patches]\npack-step = shim_step_pack.fixes:PATCH\n\n[hf_train_shim.targets]\n"
-        "pack-step.transformers.modeling_layers = transformers.modeling_layers\n"
+        "pack-step.transformers.modeling_layers = transformers.modeling_layers\n\n[hf_train_shim.order]\n"
+        "pack-step.after.reentrant-frozen-input-grads = shim_step_pack.fixes\n"
     )
     out = json.loads(
         run_python(PACK_RUN.replace("PACK_ROOT", repr(str(tmp_path))), torch_first=True).stdout.splitlines()[-1]

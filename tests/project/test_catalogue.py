@@ -33,9 +33,9 @@ def test_the_index_is_generated_from_each_patch_modules_declaration():
         )
         assert {k: v for k, v in row.items() if k != "module"} == declared, row["module"]
     assert shim.registry.names[: len(catalogue.INDEX)] == tuple(row["name"] for row in catalogue.INDEX)
-    # The index block is exactly what the generator writes (python -m shim.patches --write).
+    # The index block is exactly what the generator writes (python -m shim index).
     result = subprocess.run(
-        [sys.executable, "-m", "shim.patches", "--check"], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-m", "shim", "index", "--check"], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert result.returncode == 0, result.stderr
 
@@ -43,7 +43,7 @@ def test_the_index_is_generated_from_each_patch_modules_declaration():
 def test_patches_on_one_target_run_in_the_order_of_the_index():
     """However many patches wrap a target, the engine's one layer there runs their parts in the
     catalogue's one order: ``shim.wrappers`` lists them outermost first, the index innermost first."""
-    from shim.catalogue import declared
+    from shim.tools.index import declared
 
     patches = declared()
     order = [patch.name for patch in patches]
@@ -64,7 +64,7 @@ def test_patches_on_one_target_run_in_the_order_of_the_index():
 def test_finds_layer_acts_last_on_the_checkpointing_path_by_its_place():
     """``checkpoint-function-finds-layer`` hands over last because it says so (``place="innermost"``),
     not by naming the steps before it: a step added later without naming it still acts before it."""
-    from shim.catalogue import declared
+    from shim.tools.index import declared
 
     by_name = {patch.name: patch for patch in declared()}
     assert by_name["checkpoint-function-finds-layer"].place == "innermost"
@@ -74,7 +74,7 @@ def test_finds_layer_acts_last_on_the_checkpointing_path_by_its_place():
 
 def test_the_stacking_order_follows_after_and_refuses_cycles():
     from shim import Patch, Target
-    from shim.catalogue import stacking_order
+    from shim.order import stacking_order
 
     def patch(name, *after):
         return Patch(name, "s", "demo", ">=1", (Target("m:f", lambda *a: None),), after=after)
@@ -231,7 +231,7 @@ def test_without_the_catalogue_the_shim_warns_and_still_imports(tmp_path):
 def test_no_patch_wraps_a_modules_call_or_forward():
     """A fix sits where the bug is, never on the hot call path of a module: a call that cannot need a
     fix must run no code of the shim (and torch.compile must see stock classes)."""
-    from shim.catalogue import declared
+    from shim.tools.index import declared
 
     on_call_path = [
         f"{patch.name}: {target.spec}"

@@ -130,10 +130,7 @@ def test_an_unknown_argument_is_shown_with_the_usage_of_its_command():
 
 
 def test_the_usage_names_every_command_and_version_prints_the_installed_one():
-    usage = run([*PYTHON_M_SHIM, "--help"], capture_output=True).stdout.splitlines()[:2]
-    assert [line.strip() for line in usage] == [
-        "usage: python -m shim [-h] [--version]",
-        "{status,doctor,explain,bug-report,new-pack,pack-index,run} ...",
-    ]
+    usage = run([*PYTHON_M_SHIM, "--help"], capture_output=True).stdout.splitlines()[0]
+    assert usage == "usage: python -m shim [-h] [--version] {status,doctor,explain,bug-report,new-pack,index,run} ..."
     done = run([*PYTHON_M_SHIM, "--version"], capture_output=True)
     assert (done.returncode, done.stdout) == (0, f"hf-train-shim {importlib.metadata.version('hf-train-shim')}\n")

@@ -1,5 +1,5 @@
 """``python -m shim new-pack NAME [DIR]``: the pack it writes installs as it is, and is listed, opted
-out and doctor-checked with no edit; its own tests pass; ``pack-index --check`` holds for it."""
+out and doctor-checked with no edit; its own tests pass; ``index --check`` holds for it."""
 
 import json
 import os
@@ -137,12 +137,12 @@ def test_pack_index_writes_and_checks_the_target_modules(tmp_path):
     fixes.write_text(
         fixes.read_text().replace("transformers.trainer_utils:set_seed", "transformers.trainer:Trainer.train")
     )
-    stale = shim_command("-m", "shim", "pack-index", "--check", str(tmp_path / "p"))
-    assert stale.returncode == 1 and "run python -m shim pack-index" in stale.stderr
+    stale = shim_command("-m", "shim", "index", "--check", str(tmp_path / "p"))
+    assert stale.returncode == 1 and "run python -m shim index" in stale.stderr
     assert pyproject.read_text() == written, "--check changes nothing"
-    assert shim_command("-m", "shim", "pack-index", str(tmp_path / "p")).returncode == 0
+    assert shim_command("-m", "shim", "index", str(tmp_path / "p")).returncode == 0
     assert '"my-team-fixes.transformers.trainer" = "transformers.trainer"' in pyproject.read_text()
     assert "transformers.trainer_utils" not in pyproject.read_text().split("hf_train_shim.targets", 1)[1]
-    assert shim_command("-m", "shim", "pack-index", "--check", str(tmp_path / "p")).returncode == 0
-    missing = shim_command("-m", "shim", "pack-index", str(tmp_path / "nowhere"))
+    assert shim_command("-m", "shim", "index", "--check", str(tmp_path / "p")).returncode == 0
+    missing = shim_command("-m", "shim", "index", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "No such file" in missing.stderr

@@ -52,14 +52,12 @@ def test_the_trainer_gets_the_fix_and_a_finished_checkpoint_is_upstreams(output_
 
 
 def test_pyproject_lists_the_target_modules():
-    """`python -m shim pack-index --check`: the target modules pyproject.toml lists are the patches' own."""
+    """`python -m shim index --check`: the target modules pyproject.toml lists are the patches' own."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        [sys.executable, "-m", "shim", "pack-index", "--check", root], capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-m", "shim", "index", "--check", root], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 

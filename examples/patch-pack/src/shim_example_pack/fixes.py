@@ -67,7 +67,7 @@ def _bug_probe() -> Evidence:
 
 # The module stays light: it imports the shim and the standard library only, never the library it
 # patches. The shim imports it once a target module is imported, as pyproject.toml lists them
-# (`python -m shim pack-index` writes that list from PATCH's targets).
+# (`python -m shim index` writes that list from PATCH's targets).
 PATCH = Patch(
     name=NAME,
     summary="Trainer.train(resume_from_checkpoint=True) resumes from the newest checkpoint whose save finished.",

@@ -1,10 +1,10 @@
-"""``python -m shim pack-index`` edits a pack's ``pyproject.toml`` as TOML reads it: the targets table
+"""``python -m shim index`` edits a pack's ``pyproject.toml`` as TOML reads it: the targets table
 is found by its parsed key however its header is quoted, the file still parses, and its line endings
 stay (``shim.tools.tomltables``, which any table of ``pyproject.toml`` is written through)."""
 
 import pytest
 
-from shim.tools.packindex import TARGETS_KEY, CannotIndex, rewritten
+from shim.tools.index import TARGETS_KEY, CannotIndex, rewritten
 from shim.tools.tomltables import header_key, with_table
 from tests.tools.test_new_pack import NAME, shim_command
 
@@ -24,7 +24,7 @@ SPELLINGS = [
     '[\tproject.entry-points."hf_train_shim.targets"\t]',
     '["project".\'entry-points\'."hf_train_shim.targets"]',
     '[project.entry-points."hf_train_shim\\u002etargets"]',
-    '  [project.entry-points."hf_train_shim.targets"]  # listed by pack-index',
+    '  [project.entry-points."hf_train_shim.targets"]  # listed by index',
 ]
 NOW = {"my-fix": ("transformers.trainer",)}
 
@@ -108,11 +108,40 @@ def test_pack_index_keeps_a_crlf_pyproject_with_single_quotes_parsing(tmp_path):
     text = pyproject.read_text().replace('."hf_train_shim.targets"]', ".'hf_train_shim.targets']")
     text = text.replace('"my-team-fixes.transformers.trainer_utils"', '"my-team-fixes.transformers.old"')
     pyproject.write_bytes(text.replace("\n", "\r\n").encode())
-    done = shim_command("-m", "shim", "pack-index", str(tmp_path / "p"))
+    done = shim_command("-m", "shim", "index", str(tmp_path / "p"))
     assert done.returncode == 0, done.stderr
     written = pyproject.read_bytes().decode()
     assert "\n" not in written.replace("\r\n", "") and written.count("hf_train_shim.targets") == 1
     assert tomllib.loads(written)["project"]["entry-points"]["hf_train_shim.targets"] == {
         "my-team-fixes.transformers.trainer_utils": "transformers.trainer_utils"
     }
-    assert shim_command("-m", "shim", "pack-index", "--check", str(tmp_path / "p")).returncode == 0
+    assert shim_command("-m", "shim", "index", "--check", str(tmp_path / "p")).returncode == 0
+
+
+def test_index_writes_a_patchs_place_and_after_and_the_shim_reads_them_back(tmp_path):
+    """The record a pack ships, written from its Patch: the order table appears once a patch has a
+    place or an after=, every name and value passes setuptools' validation, and --check reports the
+    record stale until it is written (tests/engine/test_packs.py reads such records back)."""
+    assert shim_command("-m", "shim", "new-pack", NAME, str(tmp_path / "p")).returncode == 0
+    fixes = next((tmp_path / "p" / "src").glob("*/fixes.py"))
+    fixes.write_text(
+        fixes.read_text().replace(
+            "    summary=", '    place="outermost",\n    after=("checkpointing-restore",),\n    summary=', 1
+        )
+    )
+    assert shim_command("-m", "shim", "index", "--check", str(tmp_path / "p")).returncode == 1, "stale"
+    done = shim_command("-m", "shim", "index", str(tmp_path / "p"))
+    assert done.returncode == 0, done.stderr
+    order = tomllib.loads((tmp_path / "p" / "pyproject.toml").read_text())["project"]["entry-points"][
+        "hf_train_shim.order"
+    ]
+    assert order == {
+        "my-team-fixes.place.outermost": "my_team_fixes.fixes",
+        "my-team-fixes.after.checkpointing-restore": "my_team_fixes.fixes",
+    }
+    formats = pytest.importorskip("setuptools.config._validate_pyproject.formats")
+    assert all(
+        formats.python_entrypoint_name(name) and formats.python_entrypoint_reference(value)
+        for name, value in order.items()
+    )
+    assert shim_command("-m", "shim", "index", "--check", str(tmp_path / "p")).returncode == 0
