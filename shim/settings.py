@@ -39,6 +39,8 @@ FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: What ``SHIM_PROBE`` takes, the default first: when a patch's bug probe is asked (``shim.probing``).
 PROBE_MODES = ("auto", "always", "never")
+#: The first-step audit's name (``shim.audit``): switched off like a patch, by ``SHIM_DISABLE``.
+AUDIT = "first-step-audit"
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -221,9 +223,10 @@ def probe_mode() -> str:
 
 
 def read(known: Iterable[str]) -> Settings:
-    """Read ``SHIM_DISABLE``, ``SHIM_FORCE``, ``SHIM_STRICT`` and ``SHIM_PROBE`` against the known patch names."""
+    """Read ``SHIM_DISABLE``, ``SHIM_FORCE``, ``SHIM_STRICT`` and ``SHIM_PROBE`` against the known patch
+    names (``SHIM_DISABLE`` also takes the audit's, :data:`AUDIT`)."""
     known = tuple(known)
-    disable_all, disabled = _names("SHIM_DISABLE", known, allow_all=True)
+    disable_all, disabled = _names("SHIM_DISABLE", (*known, AUDIT), allow_all=True)
     _, forced = _names("SHIM_FORCE", known, allow_all=False)
     return Settings(disable_all, disabled, forced, flag("SHIM_STRICT"), probe_mode())
 
