@@ -46,7 +46,7 @@ FIXES = {
 CAUSES = {
     "frozen-inputs": "their layers ran under reentrant checkpointing with no input that requires grad",
     "keyword-inputs": "their layers ran under reentrant checkpointing, the input that requires grad passed by keyword",
-    "reentrant": "their layers ran under reentrant checkpointing (or no_grad) inside the training forward",
+    "reentrant": "their layers ran under reentrant checkpointing",
     "unused": "their modules ran in the training forward, but the loss does not depend on their output "
     "(an output left out of the loss, a detach?)",
     "not-checkpointed": "gradient checkpointing is on, but no layer ran checkpointed in the first training step "
@@ -67,8 +67,8 @@ class Finding:
     watched: tuple[str, ...]  # every trainable parameter the audit watched (for the grouping)
     parameters: tuple[str, ...]  # the parameters named (no-gradient), or the checkpointing layers
     sizes: tuple[int, ...]  # how many numbers each of those parameters holds (0s for not-checkpointed)
-    cause: str  # a key of CAUSES
-    patches: tuple[str, ...]  # the patches that fix this cause
+    causes: tuple[str, ...]  # keys of CAUSES: what the audit saw of the parameters' modules
+    patches: tuple[str, ...]  # the patches that fix those causes
     switched_off: tuple[str, ...]  # those of them switched off here (SHIM_DISABLE, shim.disable, ...)
 
     def line(self) -> str:
@@ -80,19 +80,18 @@ class Finding:
             )
         else:
             what = f"{self.model} checkpoints {len(self.parameters)} layer(s) ({grouped(self.parameters)})"
-        why = CAUSES[self.cause]
+        why = "; ".join(CAUSES[cause] for cause in self.causes)
+        pointers = self.switched_off or self.patches  # a patch switched off is the likelier cause
         if self.switched_off:
             why += f"; {', '.join(self.switched_off)} fixes this and is switched off here"
         elif self.patches:
             why += f"; {', '.join(self.patches)} is on and did not cover it (python -m shim bug-report)"
-        more = "".join(f"; python -m shim explain {name}" for name in self.patches)
+        more = "".join(f"; python -m shim explain {name}" for name in pointers)
         return f"hf-train-shim first-step audit: {what}; {why}{more} (SHIM_DISABLE={NAME} for no audit)"
 
     def as_dict(self) -> dict[str, Any]:
         """The finding as plain data (``json.dumps`` takes it), its warning line included."""
-        plain = dataclasses.asdict(self)
-        del plain["watched"]
-        return {**plain, "line": self.line()}
+        return {**dataclasses.asdict(self), "line": self.line()}
 
 
 def grouped(names: Iterable[str], sizes: Mapping[str, int] | None = None, watched: Iterable[str] = ()) -> str:
@@ -297,15 +296,13 @@ class _Watch:
         self.root = root
         hooks = self.handles
         hooks += [root.register_forward_pre_hook(self._enter), root.register_forward_hook(self._leave, always_call=True)]
+        for module in _checkpointing_layers(root):
+            self.layers[id(module)] = module
+            for inner in module.modules():
+                self.layer_of[id(inner)] = module
+            hooks.append(module.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
+            hooks.append(module.register_forward_hook(self._leave, always_call=True))
         for module in root.modules():
-            if getattr(module, "gradient_checkpointing", False) is True and hasattr(
-                module, "_gradient_checkpointing_func"
-            ):
-                self.layers[id(module)] = module
-                for inner in module.modules():
-                    self.layer_of[id(inner)] = module
-                hooks.append(module.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
-                hooks.append(module.register_forward_hook(self._leave, always_call=True))
             if any(id(p) in self.ids for p in module.parameters(recurse=False)):
                 self.owners[id(module)] = module
                 hooks.append(module.register_forward_pre_hook(self._owner_runs))
@@ -337,15 +334,15 @@ class _Watch:
     def _owner_runs(self, module: Any, args: Any) -> None:
         import torch
 
-        grad = torch.is_grad_enabled()
-        framed = bool(self.frames and self.frames[-1])
-        if not (grad or framed):
-            return  # a forward under no_grad: a reference model, generation
-        self.ran.add(id(module))
-        if framed and not grad:
-            self.without_grad.add(id(module))  # a reentrant checkpoint's forward (or a no_grad inside one)
-        if id(module) in self.layer_of and (not grad or torch._C._current_graph_task_id() != -1):
-            self.checkpointed = True  # a checkpoint's forward, or its recomputation in backward
+        if torch.is_grad_enabled():
+            self.ran.add(id(module))
+            if id(module) in self.layer_of and torch._C._current_graph_task_id() != -1:
+                self.checkpointed = True  # a checkpoint's recomputation, in backward
+        elif self.frames and self.frames[-1] and id(module) in self.layer_of:
+            self.ran.add(id(module))  # a reentrant checkpoint's forward, inside a training forward
+            self.without_grad.add(id(module))
+            self.checkpointed = True
+        # else a forward under no_grad: a reference model, generation, a computation the user keeps out
 
     # the step
 
@@ -357,11 +354,14 @@ class _Watch:
         self.detach()
         self.handles.append(handle)
         self._end(later=True)
+        if self.root is None or self.root in _audited:
+            return
         try:
-            if self.root is not None and self.root not in _audited:
-                self.publish(self.findings(optimizer_step=True))
+            findings = self.findings()
         except Exception as exc:
             _failed(exc)
+            return
+        self.publish(findings)
 
     def _end(self, later: bool) -> None:
         """Nothing more to watch: hooks off; ``later``: at the next module call (inside the step's hooks)."""
@@ -382,7 +382,7 @@ class _Watch:
 
             later.append(register_module_forward_pre_hook(take_off))
 
-    def findings(self, optimizer_step: bool = False) -> tuple[Finding, ...]:
+    def findings(self) -> tuple[Finding, ...]:
         root = self.root
         model = type(root).__name__
         if type(root).__module__.startswith("deepspeed") or any(hasattr(p, "ds_id") for p in root.parameters()):
@@ -392,24 +392,25 @@ class _Watch:
                 _log.info(note)
             return ()
         names = {id(p): name for name, p in root.named_parameters()}
-        lost: dict[str, list[tuple[str, int]]] = {}
+        lost: list[tuple[str, int]] = []
+        causes: set[str] = set()
         for key in self.ran:
-            owner = self.owners[key]
-            cause = self._cause(key)
-            for p in owner.parameters(recurse=False):
+            for p in self.owners[key].parameters(recurse=False):
                 if id(p) in self.ids and p.requires_grad and p.grad is None and id(p) in names:
-                    lost.setdefault(cause, []).append((names[id(p)], p.numel()))
-        watched = tuple(names[key] for key in self.ids if key in names)
+                    lost.append((names[id(p)], p.numel()))
+                    causes.add(self._cause(key))
         out = []
-        for cause, params in lost.items():
-            params.sort(key=lambda item: _natural(item[0]))
-            lost_names, sizes = tuple(n for n, _ in params), tuple(s for _, s in params)
-            out.append(_finding("no-gradient", model, watched, lost_names, sizes, cause))
+        if lost:
+            lost.sort(key=lambda item: _natural(item[0]))
+            watched = tuple(sorted((names[key] for key in self.ids if key in names), key=_natural))
+            lost_names, sizes = tuple(n for n, _ in lost), tuple(s for _, s in lost)
+            ordered = tuple(cause for cause in CAUSES if cause in causes)
+            out.append(_finding("no-gradient", model, watched, lost_names, sizes, ordered))
         watched = [key for key in self.ran if key in self.layer_of]
         if self.layers and watched and not self.checkpointed:
             layer_names = {id(m): name for name, m in root.named_modules()}
             layers = tuple(layer_names[key] for key in self.layers if key in layer_names)
-            out.append(_finding("not-checkpointed", model, (), layers, (0,) * len(layers), "not-checkpointed"))
+            out.append(_finding("not-checkpointed", model, (), layers, (0,) * len(layers), ("not-checkpointed",)))
         return tuple(out)
 
     def _cause(self, owner: int) -> str:
@@ -429,11 +430,16 @@ class _Watch:
 
 
 def _finding(
-    kind: str, model: str, watched: tuple[str, ...], names: tuple[str, ...], sizes: tuple[int, ...], cause: str
+    kind: str,
+    model: str,
+    watched: tuple[str, ...],
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    causes: tuple[str, ...],
 ) -> Finding:
-    patches = FIXES.get(cause, ())
+    patches = tuple(name for cause in causes for name in FIXES.get(cause, ()))
     off = tuple(name for name in patches if not _is_on(name))
-    return Finding(kind, model, watched, names, sizes, cause, patches, off)
+    return Finding(kind, model, watched, names, sizes, causes, patches, off)
 
 
 #: Frames a finding's warning is not attributed to: the libraries between the user's step and the audit.
@@ -449,6 +455,14 @@ def _warn(message: str) -> None:
         frame, level = frame.f_back, level + 1
     _log.warning(message)
     warnings.warn(message, settings.ShimWarning, stacklevel=level)
+
+
+def _checkpointing_layers(root: Any) -> list[Any]:
+    """The modules of ``root`` whose checkpointing is on and that hold no such module: the layers,
+    not the base model that transformers flags too."""
+    flagged = [m for m in root.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    on = {id(m) for m in flagged}
+    return [m for m in flagged if not any(id(n) in on for n in m.modules() if n is not m)]
 
 
 def _requires_grad(values: Iterable[Any]) -> bool:
