@@ -195,7 +195,6 @@ if _report is not False:
     runtime.first_effect_hooks.append(_hand_over_at_worker_end)
 
 
-
 # The first-step audit (shim.audit): optimizers are watched from when torch.optim.optimizer is imported.
 def _audit_optimizers(module: ModuleType) -> None:
     with forks.lazy_imports:

@@ -32,9 +32,10 @@ import re
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
-from . import settings
+from . import importhooks, settings
 
 NAME = settings.AUDIT
 #: The patches that fix each cause the audit can tell, for its pointer and "switched off" note.
@@ -53,6 +54,7 @@ CAUSES = {
     "(a forward replaced after import, a checkpoint function that does not checkpoint?)",
 }
 SHOWN_GROUPS = 6  # groups of parameter names one line shows; more are counted
+_COMPILED = f"hf-train-shim {NAME}: not run on a model whose first step torch.compile compiles"
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
 _log = logging.getLogger("shim")
 
@@ -174,6 +176,16 @@ def findings_of(model: Any) -> tuple[Finding, ...] | None:
     return None
 
 
+def said_of(model: Any) -> tuple[str, ...]:
+    """What ``shim.in_effect(model)`` says of the audit: its findings' lines, or whether it ran."""
+    if switched_off():
+        return (f"first-step audit: switched off (SHIM_DISABLE names {NAME} or all)",)
+    findings = findings_of(model)
+    if findings is None:
+        return ("first-step audit: not run on it yet (it runs at its first optimizer step)",)
+    return tuple(f.line() for f in findings) or ("first-step audit: nothing named at its first step",)
+
+
 def exit_line() -> str:
     """One line for the exit report where an audit named something; ``""`` where none did."""
     if not found:
@@ -208,6 +220,11 @@ def install(is_on: Callable[[str], bool]) -> None:
     optimizer = sys.modules["torch.optim.optimizer"]
     if not isinstance(vars(optimizer.Optimizer)["__init__"], wrapt.FunctionWrapper):
         wrapt.wrap_function_wrapper(optimizer, "Optimizer.__init__", _made)
+        importhooks.when_imported("torch._dynamo.callback", _watch_compiles)
+
+
+def _watch_compiles(callback: ModuleType) -> None:
+    callback.callback_handler.register_start_callback(_Watch.compiling)
 
 
 def _made(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -233,7 +250,7 @@ class _Watch:
     """One model's first step: which watched modules ran in a training forward, and how."""
 
     _finding_root: Any = None  # torch's global module pre-hook, while a watch waits for its model
-    _waiting: list[_Watch] = []
+    _live: list[_Watch] = []  # the watches not ended: waiting for their model, or watching it
 
     def __init__(self, trainable: Iterable[Any]) -> None:
         self.ids = {id(p) for p in trainable if p.requires_grad}
@@ -242,6 +259,7 @@ class _Watch:
         self.checked: set[int] = set()  # modules already found not to hold watched parameters
         self.frames: list[bool] = []  # per call in progress: inside a training forward?
         self.owners: dict[int, Any] = {}  # modules that own watched parameters
+        self.owner_hooks: dict[int, Any] = {}  # their hooks, each taken off once it has said what it can
         self.layer_of: dict[int, Any] = {}  # owner -> the checkpointing layer it sits in
         self.layers: dict[int, Any] = {}  # the checkpointing layers whose checkpointing is on
         self.ran: set[int] = set()  # owners run inside a training forward
@@ -249,6 +267,7 @@ class _Watch:
         self.inputs: dict[int, tuple[bool, bool]] = {}  # layer -> (a positional, a keyword input requires grad)
         self.checkpointed = False  # some layer's module ran checkpointed
         self.done = False
+        self.step_hook: Any = None  # on the optimizer: its first step is the audit's moment
 
     @classmethod
     def of_optimizer(cls, optimizer: Any) -> None:
@@ -256,10 +275,9 @@ class _Watch:
         watch = cls(p for group in optimizer.param_groups for p in group["params"])
         if not watch.ids:
             return
-        handle = optimizer.register_step_pre_hook(watch._stepping)
-        watch.handles.append(handle)
-        cls._waiting.append(watch)
-        weakref.finalize(optimizer, watch._end, False)
+        watch.step_hook = optimizer.register_step_pre_hook(watch._stepping)
+        cls._live.append(watch)
+        weakref.finalize(optimizer, watch.end)
         if cls._finding_root is None:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -273,29 +291,41 @@ class _Watch:
 
         if not (module.training and torch.is_grad_enabled()):
             return
-        for watch in list(cls._waiting):
+        for watch in [watch for watch in cls._live if watch.root is None]:
             if id(module) in watch.checked:
                 continue
             watch.checked.add(id(module))
             if module in _audited:
-                watch._end(later=False)
+                watch.end()
             elif any(id(p) in watch.ids for p in module.parameters()):
-                cls._waiting.remove(watch)
                 watch.attach(module)
                 watch.frames.append(True)  # this call's own pre-hook was not in torch's list yet
         cls._stop_finding()
 
     @classmethod
     def _stop_finding(cls) -> None:
-        if not cls._waiting and cls._finding_root is not None:
+        if all(watch.root is not None for watch in cls._live) and cls._finding_root is not None:
             cls._finding_root.remove()
             cls._finding_root = None
+
+    @classmethod
+    def compiling(cls, args: object = None) -> None:
+        """torch.compile starts compiling (dynamo's start callback): every watch ends before dynamo
+        traces a hook of it (its guards would see the hooks go, and compile again)."""
+        for watch in list(cls._live):
+            if watch.root is not None and not watch.done and _COMPILED not in notes:
+                notes.append(_COMPILED)
+                _log.info(_COMPILED)
+            watch.end()
 
     def attach(self, root: Any) -> None:
         """Hooks on ``root``, its checkpointing layers and the modules that own watched parameters."""
         self.root = root
         hooks = self.handles
-        hooks += [root.register_forward_pre_hook(self._enter), root.register_forward_hook(self._leave, always_call=True)]
+        hooks += [
+            root.register_forward_pre_hook(self._enter),
+            root.register_forward_hook(self._leave, always_call=True),
+        ]
         for module in _checkpointing_layers(root):
             self.layers[id(module)] = module
             for inner in module.modules():
@@ -305,12 +335,13 @@ class _Watch:
         for module in root.modules():
             if any(id(p) in self.ids for p in module.parameters(recurse=False)):
                 self.owners[id(module)] = module
-                hooks.append(module.register_forward_pre_hook(self._owner_runs))
+                self.owner_hooks[id(module)] = module.register_forward_pre_hook(self._owner_runs)
 
     def detach(self) -> None:
-        for handle in self.handles:
+        for handle in [*self.handles, *self.owner_hooks.values()]:
             handle.remove()
         self.handles.clear()
+        self.owner_hooks.clear()
 
     # the hooks: per call, as little as can tell what the audit needs
 
@@ -334,27 +365,28 @@ class _Watch:
     def _owner_runs(self, module: Any, args: Any) -> None:
         import torch
 
+        key = id(module)
         if torch.is_grad_enabled():
-            self.ran.add(id(module))
-            if id(module) in self.layer_of and torch._C._current_graph_task_id() != -1:
+            self.ran.add(key)
+            if key in self.layer_of and torch._C._current_graph_task_id() != -1:
                 self.checkpointed = True  # a checkpoint's recomputation, in backward
-        elif self.frames and self.frames[-1] and id(module) in self.layer_of:
-            self.ran.add(id(module))  # a reentrant checkpoint's forward, inside a training forward
-            self.without_grad.add(id(module))
+        elif self.frames and self.frames[-1] and key in self.layer_of:
+            self.ran.add(key)  # a reentrant checkpoint's forward, inside a training forward
+            self.without_grad.add(key)
             self.checkpointed = True
-        # else a forward under no_grad: a reference model, generation, a computation the user keeps out
+        else:
+            return  # a forward under no_grad: a reference model, generation, a computation kept out
+        if self.checkpointed or key not in self.layer_of:  # nothing more to learn from its calls
+            self.owner_hooks.pop(key).remove()
 
     # the step
 
     def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.done:
             return
-        self.done = True
-        handle = self.handles.pop(0)  # the step hook: taken off at the next module call
-        self.detach()
-        self.handles.append(handle)
-        self._end(later=True)
-        if self.root is None or self.root in _audited:
+        root = self.root
+        self.end(stepping=optimizer)
+        if root is None or root in _audited:
             return
         try:
             findings = self.findings()
@@ -363,29 +395,37 @@ class _Watch:
             return
         self.publish(findings)
 
-    def _end(self, later: bool) -> None:
-        """Nothing more to watch: hooks off; ``later``: at the next module call (inside the step's hooks)."""
+    def end(self, stepping: Any = None) -> None:
+        """Nothing more to watch: every hook off. ``stepping``: the optimizer whose step hooks torch
+        runs now, from the dict it holds, which a hook must not change: it gets a new dict where
+        this hook was its only one, else the hook comes off at the next module call."""
         self.done = True
-        if self in _Watch._waiting:
-            _Watch._waiting.remove(self)
+        self.detach()
+        if self in _Watch._live:
+            _Watch._live.remove(self)
             _Watch._stop_finding()
-        if not later:
-            self.detach()
-        elif self.handles:
+        hook, self.step_hook = self.step_hook, None
+        if hook is None:
+            return
+        if stepping is None:
+            hook.remove()
+        elif list(stepping._optimizer_step_pre_hooks) == [hook.id]:
+            stepping._optimizer_step_pre_hooks = type(stepping._optimizer_step_pre_hooks)()
+        else:
             from torch.nn.modules.module import register_module_forward_pre_hook
 
-            later: list[Any] = []
+            own: list[Any] = []
 
             def take_off(module: Any, args: Any) -> None:
-                self.detach()
-                later.pop().remove()
+                hook.remove()
+                own.pop().remove()
 
-            later.append(register_module_forward_pre_hook(take_off))
+            own.append(register_module_forward_pre_hook(take_off))
 
     def findings(self) -> tuple[Finding, ...]:
         root = self.root
         model = type(root).__name__
-        if type(root).__module__.startswith("deepspeed") or any(hasattr(p, "ds_id") for p in root.parameters()):
+        if "deepspeed" in sys.modules and _under_deepspeed(root):
             note = f"hf-train-shim {NAME}: not run under DeepSpeed ZeRO, whose gradients are partitioned"
             if note not in notes:
                 notes.append(note)
@@ -406,8 +446,8 @@ class _Watch:
             lost_names, sizes = tuple(n for n, _ in lost), tuple(s for _, s in lost)
             ordered = tuple(cause for cause in CAUSES if cause in causes)
             out.append(_finding("no-gradient", model, watched, lost_names, sizes, ordered))
-        watched = [key for key in self.ran if key in self.layer_of]
-        if self.layers and watched and not self.checkpointed:
+        seen_in_layers = any(key in self.layer_of for key in self.ran)  # else it cannot tell
+        if self.layers and seen_in_layers and not self.checkpointed:
             layer_names = {id(m): name for name, m in root.named_modules()}
             layers = tuple(layer_names[key] for key in self.layers if key in layer_names)
             out.append(_finding("not-checkpointed", model, (), layers, (0,) * len(layers), ("not-checkpointed",)))
@@ -455,6 +495,11 @@ def _warn(message: str) -> None:
         frame, level = frame.f_back, level + 1
     _log.warning(message)
     warnings.warn(message, settings.ShimWarning, stacklevel=level)
+
+
+def _under_deepspeed(root: Any) -> bool:
+    """Whether ``root`` is DeepSpeed's engine, or holds ZeRO-3 parameters (``ds_id``)."""
+    return type(root).__module__.startswith("deepspeed") or any(hasattr(p, "ds_id") for p in root.parameters())
 
 
 def _checkpointing_layers(root: Any) -> list[Any]:

@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from .. import audit
+
 _NUMBERED = re.compile(r"^(.*\.)(\d+)$")
 
 
@@ -39,6 +41,7 @@ class ModelView:
     checkpointing: tuple[Checkpointing, ...]
     patches: dict[str, tuple[str, ...]]  # each patch on, with what it does on this model ([] for nothing)
     adapters: dict[str, dict[str, Any]]  # peft's: name -> active, trainable and all parameters
+    audit: tuple[str, ...] = ()  # what the first-step audit said of it (shim.audit), one line each
 
     def as_dict(self) -> dict[str, Any]:
         """The view as plain data (lists, dicts, strings, numbers): ``json.dumps`` takes it."""
@@ -65,6 +68,7 @@ class ModelView:
             lines.append(
                 f"  adapter {name!r}: {active}, {adapter['trainable']} of {adapter['parameters']} parameter(s) trainable"
             )
+        lines += [f"  {line}" for line in self.audit]
         return "\n".join(lines)
 
 
@@ -95,7 +99,8 @@ def in_effect(model: Any, registry: Any) -> ModelView:
             patches[name] = tuple(said(model))
         except Exception as exc:  # a view must always come back: the error is what it says
             patches[name] = (f"could not say what it does here: {exc!r}",)
-    return ModelView(type(model).__name__, tuple(checkpointing(model)), patches, adapters(model))
+    view = ModelView(type(model).__name__, tuple(checkpointing(model)), patches, adapters(model))
+    return dataclasses.replace(view, audit=audit.said_of(model))
 
 
 def checkpointing(model: Any) -> list[Checkpointing]:

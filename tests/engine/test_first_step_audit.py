@@ -8,6 +8,8 @@ switched off (``SHIM_DISABLE=<name>``: the audit names it, and the patch) and wi
 """
 
 import json
+import sys
+import types
 import warnings
 
 import pytest
@@ -251,19 +253,25 @@ def test_the_public_call_returns_findings_as_data_and_gives_the_model_back():
 def test_grouping_names_numbered_modules_as_spans():
     names = [f"model.layers.{i}.mlp.down_proj.lora_A.weight" for i in range(32)]
     sizes = dict.fromkeys(names, 32 * 1024)
-    assert audit.grouped(names, sizes) == "model.layers.{0..31}.mlp.down_proj.lora_A.weight: 32 tensor(s), 1.0 M parameters"
+    assert (
+        audit.grouped(names, sizes)
+        == "model.layers.{0..31}.mlp.down_proj.lora_A.weight: 32 tensor(s), 1.0 M parameters"
+    )
     assert audit.grouped(["a.1.w", "a.3.w"]) == "a.{1,3}.w"
 
 
-def test_under_deepspeed_the_audit_says_once_that_it_does_not_run():
+def test_under_deepspeed_the_audit_says_once_that_it_does_not_run(monkeypatch):
     """ZeRO partitions the gradients (``p.grad`` stays ``None``): the audit says so and names nothing."""
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))  # as once it is imported
     forward = lambda self, x: self.module(x)  # noqa: E731
     deepspeed_engine = type(
         "DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine", "forward": forward}
     )
     engine = deepspeed_engine()
     engine.module = torch.nn.Linear(2, 2)
-    assert shim.audit_first_step(engine, (torch.randn(1, 2),), loss=lambda out: torch.zeros((), requires_grad=True)) == []
+    assert (
+        shim.audit_first_step(engine, (torch.randn(1, 2),), loss=lambda out: torch.zeros((), requires_grad=True)) == []
+    )
     assert [note for note in audit.notes if "DeepSpeed" in note] == [
         f"hf-train-shim {audit.NAME}: not run under DeepSpeed ZeRO, whose gradients are partitioned"
     ]

@@ -134,6 +134,8 @@ ROOMS = {
     },
     "shim.records": {"shim.entry", "shim.gating", "shim.others", "shim.runtime", "shim.patch", "shim.ranges"},
     "shim.catalogue": {"shim.patch", "shim.settings", "shim.order"},  # the built-in patches' index
+    # the first-step audit: at a model's first optimizer step, lost gradients and checkpointing named
+    "shim.audit": {"shim.importhooks", "shim.settings"},
     "shim.packs": {
         "shim.importhooks",
         "shim.patch",
