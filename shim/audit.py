@@ -224,7 +224,9 @@ def install(is_on: Callable[[str], bool]) -> None:
 
 
 def _watch_compiles(callback: ModuleType) -> None:
-    callback.callback_handler.register_start_callback(_Watch.compiling)
+    """Be told when torch.compile starts compiling (once ``torch._dynamo`` is imported)."""
+    if _Watch.compiling not in callback.callback_handler.start_callbacks:
+        callback.callback_handler.register_start_callback(_Watch.compiling)
 
 
 def _made(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -275,6 +277,9 @@ class _Watch:
         watch = cls(p for group in optimizer.param_groups for p in group["params"])
         if not watch.ids:
             return
+        callback = sys.modules.get("torch._dynamo.callback")
+        if callback is not None:  # again: torch._dynamo.reset() clears its callbacks
+            _watch_compiles(callback)
         watch.step_hook = optimizer.register_step_pre_hook(watch._stepping)
         cls._live.append(watch)
         weakref.finalize(optimizer, watch.end)
