@@ -17,6 +17,7 @@ import torch
 
 import shim
 from shim import audit
+from shim.tools import bugreport
 from tests.conftest import run_python
 
 AUDIT = "first-step audit"
@@ -147,6 +148,30 @@ def test_checkpointing_that_did_not_run_is_named_with_replaced_forward_keeps_che
     assert found == [] and AUDIT not in stderr, stderr
 
 
+TRAINER = (
+    PREAMBLE
+    + """
+import tempfile, transformers
+from tests.patches.checkpointing_cases import TrainerRows
+from tests.tinymodels import replaced_forward_llama
+with replaced_forward_llama(3) as model, tempfile.TemporaryDirectory() as folder:
+    args = transformers.TrainingArguments(
+        output_dir=folder, max_steps=2, per_device_train_batch_size=2, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=TrainerRows()).train()
+    print(shim.in_effect(model))
+"""
+)
+
+
+def test_the_trainer_is_audited_through_accelerate_and_in_effect_says_it():
+    """The Trainer (accelerate's optimizer around the torch one) gives the same signal as a plain loop."""
+    stderr, found = audited(TRAINER, disable="replaced-forward-keeps-checkpointing")
+    [finding] = found
+    assert finding["kind"] == "not-checkpointed" and finding["switched_off"] == ["replaced-forward-keeps-checkpointing"]
+
+
 OWN_BUG = """
 import shim, torch
 class Net(torch.nn.Module):
@@ -163,10 +188,13 @@ for _ in range(2):
     net(x)[0].sum().backward()
     optimizer.step()
     optimizer.zero_grad()
+print("VIEW", shim.in_effect(net).as_dict()["audit"])
 """
 
 
 def test_a_users_own_head_left_out_of_the_loss_is_named_and_opted_out_like_a_patch():
+    done = run_python(OWN_BUG, torch_first=True)
+    assert "VIEW ['hf-train-shim first-step audit: 2 trainable tensor(s) of Net" in done.stdout, done.stdout
     stderr, found = audited(OWN_BUG)
     [finding] = found
     assert sorted(finding["parameters"]) == ["aux.bias", "aux.weight"] and finding["causes"] == ["unused"]
@@ -220,6 +248,9 @@ def test_modules_that_did_not_run_or_ran_under_no_grad_and_a_reference_model_are
             optimizer.step()
     assert audit.found == before
     assert audit.findings_of(model) == ()
+    assert shim.in_effect(model).audit == ("first-step audit: nothing named at its first step",)
+    assert "first-step audit: not run on it yet" in str(shim.in_effect(reference))
+    assert bugreport.first_step_audit().startswith("On: it names")
     model(x)  # the next step's first call takes the step hook off (torch runs them from the live dict)
     assert hooks_left(model) == 0, "the first step leaves no hook behind"
     assert optimizer._optimizer_step_pre_hooks == {}
