@@ -7,7 +7,7 @@ this room names both, one warning line each, with what the shim knows of the cau
 
 How it sees a step, and what it costs (nothing is wrapped on ``nn.Module``):
 
-- ``torch.optim.Optimizer.__init__`` gets a pass-through wrapper when ``torch.optim.optimizer`` is
+- ``torch.optim.Optimizer.__init__`` gets a pass-through function when ``torch.optim.optimizer`` is
   imported (it runs once per optimizer made, never per step). An optimizer made is the one sign a
   plain loop, the Trainer, trl, accelerate and DeepSpeed all give before their first forward; its
   trainable parameters are the ones to watch.
@@ -26,6 +26,7 @@ How it sees a step, and what it costs (nothing is wrapped on ``nn.Module``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -215,12 +216,20 @@ def install(is_on: Callable[[str], bool]) -> None:
     if switched_off():
         return
     _is_on = is_on
-    import wrapt
+    optimizer = sys.modules["torch.optim.optimizer"].Optimizer
+    if getattr(optimizer.__init__, "_shim_audit", False):
+        return  # a reloaded shim finds it in place
+    upstream = optimizer.__init__
 
-    optimizer = sys.modules["torch.optim.optimizer"]
-    if not isinstance(vars(optimizer.Optimizer)["__init__"], wrapt.FunctionWrapper):
-        wrapt.wrap_function_wrapper(optimizer, "Optimizer.__init__", _made)
-        importhooks.when_imported("torch._dynamo.callback", _watch_compiles)
+    # A plain function, not a wrapt wrapper: ``import shim`` after torch imports no wrapt.
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        upstream(self, *args, **kwargs)
+        _made(self)
+
+    functools.update_wrapper(__init__, upstream)
+    __init__._shim_audit = True  # type: ignore[attr-defined]
+    optimizer.__init__ = __init__
+    importhooks.when_imported("torch._dynamo.callback", _watch_compiles)
 
 
 def _watch_compiles(callback: ModuleType) -> None:
@@ -229,14 +238,13 @@ def _watch_compiles(callback: ModuleType) -> None:
         callback.callback_handler.register_start_callback(_Watch.compiling)
 
 
-def _made(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
+def _made(optimizer: Any) -> None:
+    """An optimizer was made: watch its model's first step, unless the audit is switched off now."""
     try:
         if not switched_off():
-            _Watch.of_optimizer(instance)
+            _Watch.of_optimizer(optimizer)
     except Exception as exc:  # the audit never breaks training
         _failed(exc)
-    return result
 
 
 def _failed(exc: Exception) -> None:
@@ -331,16 +339,31 @@ class _Watch:
             root.register_forward_pre_hook(self._enter),
             root.register_forward_hook(self._leave, always_call=True),
         ]
-        for module in _checkpointing_layers(root):
-            self.layers[id(module)] = module
-            for inner in module.modules():
-                self.layer_of[id(inner)] = module
-            hooks.append(module.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
-            hooks.append(module.register_forward_hook(self._leave, always_call=True))
-        for module in root.modules():
-            if any(id(p) in self.ids for p in module.parameters(recurse=False)):
+        # one walk of the module tree (torch's own generators cost a first step a millisecond here)
+        flagged, outer, layer_of, seen = [], set(), {}, set()
+        stack: list[tuple[Any, Any]] = [(root, None)]
+        while stack:
+            module, layer = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if vars(module).get("gradient_checkpointing") is True:  # set on each module by an enable
+                if layer is not None:
+                    outer.add(id(layer))  # it holds a layer: the base model, not a layer
+                layer = module
+                flagged.append(module)
+            if layer is not None:
+                layer_of[id(module)] = layer
+            if any(p is not None and id(p) in self.ids for p in module._parameters.values()):
                 self.owners[id(module)] = module
                 self.owner_hooks[id(module)] = module.register_forward_pre_hook(self._owner_runs)
+            stack += [(child, layer) for child in module._modules.values() if child is not None]
+        self.layer_of = {key: layer for key, layer in layer_of.items() if id(layer) not in outer}
+        for module in flagged:
+            if id(module) not in outer:
+                self.layers[id(module)] = module
+                hooks.append(module.register_forward_pre_hook(self._enter_layer, with_kwargs=True))
+                hooks.append(module.register_forward_hook(self._leave, always_call=True))
 
     def detach(self) -> None:
         for handle in [*self.handles, *self.owner_hooks.values()]:
@@ -436,17 +459,19 @@ class _Watch:
                 notes.append(note)
                 _log.info(note)
             return ()
-        names = {id(p): name for name, p in root.named_parameters()}
-        lost: list[tuple[str, int]] = []
-        causes: set[str] = set()
-        for key in self.ran:
-            for p in self.owners[key].parameters(recurse=False):
-                if id(p) in self.ids and p.requires_grad and p.grad is None and id(p) in names:
-                    lost.append((names[id(p)], p.numel()))
-                    causes.add(self._cause(key))
+        lost_here: list[tuple[int, Any]] = [
+            (key, p)
+            for key in self.ran
+            for p in self.owners[key]._parameters.values()
+            if p is not None and id(p) in self.ids and p.requires_grad and p.grad is None
+        ]
         out = []
-        if lost:
-            lost.sort(key=lambda item: _natural(item[0]))
+        if lost_here:  # the names only now: most first steps lose nothing
+            names = {id(p): name for name, p in root.named_parameters()}
+            lost = sorted(
+                ((names[id(p)], p.numel()) for _, p in lost_here if id(p) in names), key=lambda x: _natural(x[0])
+            )
+            causes = {self._cause(key) for key, _ in lost_here}
             watched = tuple(sorted((names[key] for key in self.ids if key in names), key=_natural))
             lost_names, sizes = tuple(n for n, _ in lost), tuple(s for _, s in lost)
             ordered = tuple(cause for cause in CAUSES if cause in causes)
@@ -505,14 +530,6 @@ def _warn(message: str) -> None:
 def _under_deepspeed(root: Any) -> bool:
     """Whether ``root`` is DeepSpeed's engine, or holds ZeRO-3 parameters (``ds_id``)."""
     return type(root).__module__.startswith("deepspeed") or any(hasattr(p, "ds_id") for p in root.parameters())
-
-
-def _checkpointing_layers(root: Any) -> list[Any]:
-    """The modules of ``root`` whose checkpointing is on and that hold no such module: the layers,
-    not the base model that transformers flags too."""
-    flagged = [m for m in root.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    on = {id(m) for m in flagged}
-    return [m for m in flagged if not any(id(n) in on for n in m.modules() if n is not m)]
 
 
 def _requires_grad(values: Iterable[Any]) -> bool:
