@@ -15,9 +15,13 @@ How it sees a step, and what it costs (nothing is wrapped on ``nn.Module``):
   (the model: the outermost such call), one torch global module pre-hook looks for it, and is
   removed then. On that model, forward pre-hooks go on the modules that own the watched parameters,
   on its checkpointing layers and on itself, and a step pre-hook on the optimizer.
-- At the optimizer's first step the module hooks come off and the audit is made; the step hook
-  comes off at the next module call (torch runs an optimizer's step hooks from the live dict, which
-  a hook cannot change). After that step nothing of the audit is left on the model or optimizer.
+- At the optimizer's first step the module hooks come off and the audit is made. torch runs an
+  optimizer's step hooks from the dict it holds, which a hook must not change: the optimizer gets a
+  new, empty dict where the audit's hook was its only one (else that hook comes off at the next
+  module call). After that step nothing of the audit is left on the model or optimizer.
+- torch.compile: when dynamo starts compiling, every watch ends first (dynamo would trace its hooks,
+  and compile again once they are gone); DeepSpeed ZeRO, whose gradients are partitioned: said once,
+  on the ``shim`` logger, that the audit does not run there.
 - Once per model. Opted out as a patch is: ``SHIM_DISABLE=first-step-audit`` (or ``all``).
 
 ``audit_first_step(model, batch)`` runs the same audit on one forward and backward, for a test.
