@@ -20,6 +20,9 @@ Public API::
                                       # the shim's layers on a target: [(patch name, layer)], outermost first
     print(shim.in_effect(model))      # is the fix in effect on my model? its checkpointing, the
                                       # patches acting on it and how, its adapters (.as_dict() too)
+    shim.audit_first_step(model, batch)  # the first-step audit on one forward and backward, as data:
+                                      # trainable parameters that got no gradient, checkpointing that did
+                                      # not run (automatic at a model's first optimizer step: shim.audit)
 
 For patch modules (``shim.patches`` and your own): ``shim.Patch``, ``shim.Target``, ``shim.SameFix``,
 ``shim.record_effect(name, message, *args)`` on the branch where a wrapper changes something, and
@@ -66,6 +69,7 @@ __all__ = [
     "ShimWarning",
     "Target",
     "activate",
+    "audit_first_step",
     "deactivate",
     "disable",
     "disabled",
@@ -91,6 +95,7 @@ _LAZY = {
     "Evidence": "patch",
     "PatchStatus": "records",
     "written_by": "others",
+    "audit_first_step": "audit",
 }
 
 
@@ -185,6 +190,17 @@ if _report is not False:
     atexit.register(_report_at_exit, _report is True)
     importhooks.when_imported("multiprocessing.process", _workers_report_here)
     runtime.first_effect_hooks.append(_hand_over_at_worker_end)
+
+
+# The first-step audit (shim.audit): optimizers are watched from when torch.optim.optimizer is imported.
+def _audit_optimizers(module: ModuleType) -> None:
+    with forks.lazy_imports:
+        from . import audit
+
+    audit.install(registry.is_on)
+
+
+importhooks.when_imported("torch.optim.optimizer", _audit_optimizers)
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
 # after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit

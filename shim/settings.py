@@ -39,6 +39,8 @@ FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: What ``SHIM_PROBE`` takes, the default first: when a patch's bug probe is asked (``shim.probing``).
 PROBE_MODES = ("auto", "always", "never")
+#: The first-step audit's name (``shim.audit``): switched off like a patch, by ``SHIM_DISABLE``.
+AUDIT = "first-step-audit"
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -134,16 +136,20 @@ def _warn_each(items: list[str], one: Callable[[str], str], many: Callable[[str]
         warn_once(many(f"{quoted} and {len(items) - QUOTED} more"))
 
 
-def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[bool, frozenset[str]]:
+def _names(
+    variable: str, known: Iterable[str], *, allow_all: bool, also: Iterable[str] = ()
+) -> tuple[bool, frozenset[str]]:
     """Whether ``variable`` names every patch, and the known patch names it lists.
 
     The value is a comma-separated list, read item by item: an empty item (``name,,``, ``all,``) and
     ``0``/``false``/``none`` are nothing; ``all`` (also ``1``, ``true``, ``*``) means every patch,
     alone or inside a list, where ``allow_all``; every other item is a patch name. An item that is
     not a known name gets a warning; more than :data:`QUOTED` of a kind get one warning together.
+    ``also``: names it takes besides the patches' (the audit's), not listed among the patches.
     """
     known = sorted(known)
     names = ", ".join(known)
+    accepted = sorted({*known, *also})
     everything, found = False, set()
     refused: list[str] = []  # 'all' where it is not accepted
     unknown: list[str] = []  # patch names that no patch has
@@ -159,7 +165,7 @@ def _names(variable: str, known: Iterable[str], *, allow_all: bool) -> tuple[boo
                 refused.append(item)
             continue
         name = canonical(item)
-        if name in known:
+        if name in accepted:
             found.add(name)
         else:
             (unknown if PATCH_NAME.match(name) else malformed).append(item)
@@ -221,9 +227,10 @@ def probe_mode() -> str:
 
 
 def read(known: Iterable[str]) -> Settings:
-    """Read ``SHIM_DISABLE``, ``SHIM_FORCE``, ``SHIM_STRICT`` and ``SHIM_PROBE`` against the known patch names."""
+    """Read ``SHIM_DISABLE``, ``SHIM_FORCE``, ``SHIM_STRICT`` and ``SHIM_PROBE`` against the known patch
+    names (``SHIM_DISABLE`` also takes the audit's, :data:`AUDIT`)."""
     known = tuple(known)
-    disable_all, disabled = _names("SHIM_DISABLE", known, allow_all=True)
+    disable_all, disabled = _names("SHIM_DISABLE", known, allow_all=True, also=(AUDIT,))
     _, forced = _names("SHIM_FORCE", known, allow_all=False)
     return Settings(disable_all, disabled, forced, flag("SHIM_STRICT"), probe_mode())
 

@@ -85,6 +85,21 @@ def without_private_paths(text: str, home: str, cwd: str, search_path: Iterable[
     return text
 
 
+def first_step_audit() -> str:
+    """The audit's state here, and what it named in this process (a run's own lines are in its log)."""
+    from .. import audit
+
+    if audit.switched_off():
+        return f"Switched off (`SHIM_DISABLE` names `{audit.NAME}` or `all`)."
+    said = [finding.line() for finding in audit.found] + audit.notes
+    named = "\n\n```text\n" + "\n".join(said) + "\n```" if said else ""
+    return (
+        "On: it names, at a model's first optimizer step, trainable parameters whose module ran and that got no "
+        "gradient, and checkpointing that did not run; paste its `hf-train-shim first-step audit` line from your "
+        "run's log here." + named
+    )
+
+
 def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
     """The report, through ``write_out`` (a piece at a time: doctor's rows as its checks finish),
     naming no user's folder (:func:`without_private_paths`)."""
@@ -115,6 +130,7 @@ def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
         write("```")
     else:
         write("No patch applies here: nothing for doctor to check.")
+    write(f"\n### First-step audit\n\n{first_step_audit()}")
     set_here = variables()
     write("\n### `SHIM_*` variables\n")
     write("```text\n" + "\n".join(set_here) + "\n```" if set_here else "None set.")

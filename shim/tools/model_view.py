@@ -15,6 +15,8 @@ import dataclasses
 import functools
 from typing import Any
 
+from .. import audit
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpointing:
@@ -35,6 +37,7 @@ class ModelView:
     checkpointing: tuple[Checkpointing, ...]
     patches: dict[str, tuple[str, ...]]  # each patch on, with what it does on this model ([] for nothing)
     adapters: dict[str, dict[str, Any]]  # peft's: name -> active, trainable and all parameters
+    audit: tuple[str, ...] = ()  # what the first-step audit said of it (shim.audit), one line each
 
     def as_dict(self) -> dict[str, Any]:
         """The view as plain data (lists, dicts, strings, numbers): ``json.dumps`` takes it."""
@@ -74,7 +77,8 @@ def in_effect(model: Any, registry: Any) -> ModelView:
             patches[name] = tuple(said(model))
         except Exception as exc:  # a view must always come back: the error is what it says
             patches[name] = (f"could not say what it does here: {exc!r}",)
-    return ModelView(type(model).__name__, tuple(checkpointing(model)), patches, adapters(model))
+    view = ModelView(type(model).__name__, tuple(checkpointing(model)), patches, adapters(model))
+    return dataclasses.replace(view, audit=audit.said_of(model))
 
 
 def checkpointing(model: Any) -> list[Checkpointing]:

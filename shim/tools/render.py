@@ -229,6 +229,7 @@ def view_text(view: Any) -> str:
         lines.append(
             f"  adapter {name!r}: {active}, {adapter['trainable']} of {adapter['parameters']} parameter(s) trainable"
         )
+    lines += [f"  {line}" for line in view.audit]
     return "\n".join(lines)
 
 

@@ -34,7 +34,13 @@ def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | N
         Row(r.name, effects[r.name], last[r.name], idle_group(str(r.state)), tuple(o["text"] for o in r.others))
         for r in records
     ]
-    return effects_table(who, rows, _prefix())
+    return effects_table(who, rows, _prefix(), [f.line() for f in _audit_findings()])
+
+
+def _audit_findings() -> list[Any]:
+    """What the first-step audit named in this process (``shim.audit``, loaded once an optimizer was)."""
+    audit = sys.modules.get("shim.audit")
+    return list(audit.found) if audit is not None else []
 
 
 def _prefix(rank: object = None) -> str:
@@ -99,6 +105,8 @@ def at_exit(table: bool) -> None:
         text = _at_exit(shim, table)
     except Exception as exc:  # the user's program is over: say why, never raise at exit
         text = f"hf-train-shim report failed: {exc!r}"
+    if _audit_findings() and not table:  # the table lists them itself
+        text = "\n".join(filter(None, [text, _prefix() + sys.modules["shim.audit"].exit_line()]))
     if text:
         write_whole_lines(text)
 

@@ -56,6 +56,8 @@ def run_workflow(script: str, cases: list, shim: bool, timeout: float) -> dict:
     assert done.returncode == 0, (
         f"{script} (shim {'on' if shim else 'off'}) exited {done.returncode}:\n{done.stderr[-3000:]}"
     )
+    if shim:  # no false alarm: the first-step audit names nothing in a workflow that trains right
+        assert "first-step audit" not in done.stderr, f"{script}: the audit named something:\n{done.stderr[-3000:]}"
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     assert lines, f"{script} printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len(MARK) :])

@@ -145,6 +145,8 @@ ROOMS = {
         "shim.ranges",
         "shim.catalogue",
     },  # fmt: skip
+    # the first-step audit: at a model's first optimizer step, lost gradients and checkpointing named
+    "shim.audit": {"shim.importhooks", "shim.settings"},
     "shim.packs": {"shim.catalogue", "shim.settings", "shim.order", "shim.registry"},  # other distributions' records
     "shim.registry": {
         "shim.entry",

@@ -5,7 +5,8 @@ A tiny Llama is built and the shim has applied its patches (every target module 
 each case runs once untraced (warm-up) and once under ``sys.setprofile``, which records every Python
 function entered whose file lies in the ``shim`` package or in ``shim.patches``. Cases: ``eval``
 (forward in eval mode under ``no_grad``), ``eval-grad`` (the same with grad mode on), ``generate``
-(greedy), ``train`` (forward, backward and an SGD step, no checkpointing). ``control`` traces
+(greedy), ``train`` (forward, backward and an SGD step, no checkpointing; its optimizer made at the
+warm-up, the first step, which the first-step audit watches). ``control`` traces
 ``shim.status()``: it must see shim frames, or the tracer sees nothing.
 """
 
@@ -76,7 +77,9 @@ def run_generate(model) -> None:
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
-def run_train(model, optimizer) -> None:
+def run_train(model) -> None:
+    global optimizer
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     ids = input_ids()
@@ -87,14 +90,14 @@ def run_train(model, optimizer) -> None:
 if __name__ == "__main__":
     quiet()
     model = patched_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = None  # made where training starts: until its first step the first-step audit watches
     applied = sorted(s.name for s in shim.status() if s.state == "applied")
     cases = {
         "applied": lambda: {"patches": applied},
         "eval": lambda: traced(lambda: run_eval(model, grad=False)),
         "eval-grad": lambda: traced(lambda: run_eval(model, grad=True)),
         "generate": lambda: traced(lambda: run_generate(model)),
-        "train": lambda: traced(lambda: run_train(model, optimizer)),
+        "train": lambda: traced(lambda: run_train(model)),
         "control": lambda: {"shim frames": shim_frames(shim.status)},
     }
     run_cases(cases, sys.argv[1:])
