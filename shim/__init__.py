@@ -175,8 +175,6 @@ settings.configure_logging()
 registry = Registry(catalogue.builtin())
 
 status = registry.status
-activate = registry.activate
-deactivate = registry.deactivate
 enable = registry.enable
 disable = registry.disable
 disabled = registry.disabled
@@ -192,7 +190,8 @@ if _report is not False:
     runtime.first_effect_hooks.append(_hand_over_at_worker_end)
 
 
-# The first-step audit (shim.audit): optimizers are watched from when torch.optim.optimizer is imported.
+# The first-step audit (shim.audit): optimizers are watched from when torch.optim.optimizer is
+# imported (activate() below asks for it).
 def _audit_optimizers(module: ModuleType) -> None:
     with forks.lazy_imports:
         from . import audit
@@ -200,7 +199,21 @@ def _audit_optimizers(module: ModuleType) -> None:
     audit.install(registry.is_on)
 
 
-importhooks.when_imported("torch.optim.optimizer", _audit_optimizers)
+def activate() -> None:
+    """Apply every enabled patch now, or right after its target modules are imported, and watch the
+    optimizers made from now on for the first-step audit (``Registry.activate``)."""
+    registry.activate()
+    importhooks.when_imported("torch.optim.optimizer", _audit_optimizers)
+
+
+def deactivate() -> None:
+    """Remove every layer this shim installed, the first-step audit's watch of optimizers included,
+    leaving other libraries' wrappers working (``Registry.deactivate``)."""
+    registry.deactivate()
+    audit = sys.modules.get(f"{__name__}.audit")
+    if audit is not None:
+        audit.uninstall()
+
 
 # Patch packs (other distributions' patches, entry points of ``hf_train_shim.patches``) join last,
 # after the built-ins: a pack's module imports ``shim`` and finds the whole API, its parts sit

@@ -236,6 +236,15 @@ def install(is_on: Callable[[str], bool]) -> None:
     importhooks.when_imported("torch._dynamo.callback", _watch_compiles)
 
 
+def uninstall() -> None:
+    """Put ``Optimizer.__init__`` back as it was (``shim.deactivate()``); a model watched already
+    ends its watch at its first step, as ever."""
+    optimizer = getattr(sys.modules.get("torch.optim.optimizer"), "Optimizer", None)
+    ours = getattr(optimizer, "__init__", None)
+    if getattr(ours, "_shim_audit", False):
+        optimizer.__init__ = ours.__wrapped__  # type: ignore[misc,union-attr]  # functools.update_wrapper's
+
+
 def _watch_compiles(callback: ModuleType) -> None:
     """Be told when torch.compile starts compiling (once ``torch._dynamo`` is imported)."""
     if _Watch.compiling not in callback.callback_handler.start_callbacks:

@@ -306,3 +306,20 @@ def test_under_deepspeed_the_audit_says_once_that_it_does_not_run(monkeypatch):
     assert [note for note in audit.notes if "DeepSpeed" in note] == [
         f"hf-train-shim {audit.NAME}: not run under DeepSpeed ZeRO, whose gradients are partitioned"
     ]
+
+
+def test_deactivate_puts_the_optimizers_init_back_and_activate_watches_again():
+    """``shim.deactivate()`` removes every layer the shim installed: the audit's watch of optimizers
+    too (torch's own ``Optimizer.__init__`` again, and an optimizer made then is not watched)."""
+    upstream = torch.optim.Optimizer.__init__.__wrapped__
+    try:
+        shim.deactivate()
+        assert torch.optim.Optimizer.__init__ is upstream
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        assert audit.findings_of(model) is None, "not watched while the shim is off"
+    finally:
+        shim.activate()
+    assert torch.optim.Optimizer.__init__.__wrapped__ is upstream
