@@ -8,8 +8,8 @@ edited for a new step::
     from shim import Patch, record_effect
     from shim.checkpointing import Step, eager, hand_over, in_effect, is_reentrant, probe, targets
 
-    STEP = Step(NAME, applies=is_reentrant, act=_act)
-    PATCH = Patch(name=NAME, ..., targets=targets(STEP, probe=probe), in_effect=in_effect(NAME, "..."))
+    STEP = Step(applies=is_reentrant, act=_act)
+    PATCH = Patch(name=NAME, ..., targets=targets(STEP, probe=probe), in_effect=in_effect(STEP, "..."))
 
 - :mod:`shim.checkpointing.path`: the path itself: :class:`Step`, :func:`targets` (the two targets
   every step's patch takes, :data:`SLOT` and :data:`SETSTATE`), the shared call-shape :func:`probe`,

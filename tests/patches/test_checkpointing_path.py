@@ -940,16 +940,23 @@ def test_a_step_declared_later_after_a_built_in_acts_before_finds_layers_hand_ov
 # -- 9: a step that cannot act is refused where it is declared ------------------------------------------
 
 
-def test_a_step_with_nothing_to_do_is_refused_where_its_targets_are_taken():
-    """``targets(STEP)`` runs when the patch module is imported: a step with neither an ``act`` nor a
-    ``given``, or an ``act`` without ``applies``, fails there, saying what it lacks, not at an enable."""
+def test_a_step_with_nothing_to_do_or_a_name_is_refused_where_it_is_declared():
+    """A ``Step`` is made when the patch module is imported: one with neither an ``act`` nor a
+    ``given``, an ``act`` without ``applies``, or a name (which once could differ from its patch's)
+    fails there, saying what is wrong, not at an enable."""
     from shim.checkpointing import Step, targets
 
     with pytest.raises(TypeError, match="an act, a given, or both"):
-        targets(Step("nothing-to-do"))
+        Step()
     with pytest.raises(TypeError, match="needs applies"):
-        targets(Step("acts-on-nothing", act=lambda layer, function, args: None))
-    slot, setstate = targets(Step("told-only", given=lambda layer, function: function))
+        Step(act=lambda layer, function, args: None)
+    with pytest.raises(TypeError, match=r"Step\('my-step', \.\.\.\): a step takes no name"):
+        Step("my-step", given=lambda layer, function: function)
+    with pytest.raises(TypeError, match="applies must be a callable"):
+        Step(applies="my-step", act=lambda layer, function, args: None)
+    with pytest.raises(TypeError, match="takes a shim.checkpointing.Step"):
+        targets("my-step")
+    slot, setstate = targets(Step(given=lambda layer, function: function))
     assert slot.assign and not setstate.assign
 
 
