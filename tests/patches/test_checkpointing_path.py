@@ -873,6 +873,21 @@ def test_an_enable_passes_each_layer_through_the_path_once():
     assert steps_asked <= len(on_the_path), calls
 
 
+def test_each_step_acts_by_its_patchs_one_switch():
+    """The engine hands a step's part its patch's switch as the patch applies: what a layer holds
+    carries, for each step, the switch the engine runs that patch's part by (``shim.switch_of``'s),
+    no other looked up by a name."""
+    from shim.checkpointing import ATTRIBUTE, LayerCheckpoint
+
+    model = tiny_llama(2)
+    model.train()
+    enable_checkpointing(model, {"use_reentrant": True})
+    held = model.model.layers[0].__dict__[ATTRIBUTE]
+    assert type(held) is LayerCheckpoint and held.names, held
+    assert [switch for switch, _act in held.steps] == [shim.switch_of(name) for name in held.names]
+    assert all(switch is shim.switch_of(name) for (switch, _act), name in zip(held.steps, held.names))
+
+
 # -- 8: a step added later still acts before finds-layer's hand-over ----------------------------------
 
 #: A tiny Llama trained through a layer-finding checkpoint function with a step of ``STEP_MODULE``
