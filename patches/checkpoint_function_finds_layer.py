@@ -61,7 +61,7 @@ def _both_ways(layer, function, args):
     return functools.partial(LayerMethod(function.func, layer), *function.args, **function.keywords), args
 
 
-STEP = Step(NAME, applies=_is_own, act=_both_ways)
+STEP = Step(applies=_is_own, act=_both_ways)
 
 # -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
@@ -97,7 +97,7 @@ PATCH = Patch(
     targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
     bug_probe=_bug_probe,
-    in_effect=in_effect(NAME, "hands your checkpoint function its layer both ways"),
+    in_effect=in_effect(STEP, "hands your checkpoint function its layer both ways"),
     # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
     place="innermost",
 )

@@ -86,7 +86,7 @@ def _tied(output, anchor):
     return output
 
 
-STEP = Step(NAME, applies=is_reentrant, act=_anchor)
+STEP = Step(applies=is_reentrant, act=_anchor)
 
 # -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
@@ -118,5 +118,5 @@ PATCH = Patch(
         "huggingface/transformers#23170",
     ),
     bug_probe=_bug_probe,
-    in_effect=in_effect(NAME, "anchors reentrant calls none of whose inputs requires grad"),
+    in_effect=in_effect(STEP, "anchors reentrant calls none of whose inputs requires grad"),
 )

@@ -102,7 +102,7 @@ def _fill(template, tensors):
     return template.kind(filled)
 
 
-STEP = Step(NAME, applies=is_reentrant, act=_lift)
+STEP = Step(applies=is_reentrant, act=_lift)
 
 # -- bug probe (python -m shim doctor, and the engine where the release cannot vouch) --------------
 
@@ -136,5 +136,5 @@ PATCH = Patch(
     targets=targets(STEP, probe=probe),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
     bug_probe=_bug_probe,
-    in_effect=in_effect(NAME, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
+    in_effect=in_effect(STEP, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
 )

@@ -192,7 +192,7 @@ def _given(layer, function):
     return function
 
 
-STEP = Step(NAME, given=_given)
+STEP = Step(given=_given)
 
 
 # -- following the switch --------------------------------------------------------------------------

@@ -13,7 +13,9 @@ patches with a part there (``shim.parts``).
 Where one object is assigned to many instances of a class in a row (an enable gives every layer of a
 model one function), the parts run for the first and the next ones get what it got: the layer
 remembers, weakly, the last value, the class of its instance and what the parts made of them, while
-the same parts are active. A value the layer cannot refer to weakly goes through the parts each time.
+the same parts are active. It is the one memory of what the parts decide (the checkpointing path's
+parts keep none of their own). A value the layer cannot refer to weakly goes through the parts each
+time.
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from . import rebinding, wrapping
 from .parts import Parts
 from .runtime import Switch
 
 if TYPE_CHECKING:
-    from .patch import Patch, Target
+    from .patch import AssignPart, Patch, Target
 
 log = logging.getLogger("shim")
 
@@ -94,7 +94,9 @@ class Layers:
             layer = Layer(module, target.path, handle, original, _reference(owner), attribute, target.module)
             self.placed.append(layer)
             added.append(layer)
-            switch = wrapping.parts_of(handle).join(patch.name, target.wrapper, switch, rank)  # type: ignore[union-attr]
+            # an assign target's part is made for its patch: it is handed the name and switch it answers to
+            wrapper = cast("AssignPart", target.wrapper)(patch.name, switch) if target.assign else target.wrapper
+            switch = wrapping.parts_of(handle).join(patch.name, wrapper, switch, rank)  # type: ignore[union-attr]
         missed: list[str] = []
         self.consumers = patch.consumers
         for layer in added if patch.consumers else ():

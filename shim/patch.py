@@ -20,6 +20,9 @@ from .settings import PATCH_NAME
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 #: An assign target's wrapper: ``wrapper(instance, value) -> the value to store``.
 Assigned = Callable[[Any, Any], Any]
+#: What an assign target is declared with: ``make(name, switch) -> Assigned``, called by the engine
+#: when the patch's part joins the target's layer, with the patch's name and switch (``shim.switch_of``'s).
+AssignPart = Callable[[str, Any], Assigned]
 
 _MODULE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
@@ -72,17 +75,19 @@ class Target(_Spec):
     wrapper expects, or a short reason; a reason skips the whole patch.
 
     ``assign=True``: the target, ``"package.module:Class.attribute"``, is an attribute that
-    instances of the class are assigned (it need not exist on the class). The wrapper is then
-    ``wrapper(instance, value)``: it sees every value assigned to the attribute on an instance and
-    returns the value to store; reads return what was stored, as without the shim. The probe is
-    given the class.
+    instances of the class are assigned (it need not exist on the class). The target is then
+    declared with ``make(name, switch)``, which the engine calls as the patch's part joins the
+    target's layer (with the patch's name and switch: what it stores may act later, while that
+    switch is on) and which returns the wrapper ``wrapper(instance, value)``: it sees every value
+    assigned to the attribute on an instance and returns the value to store; reads return what was
+    stored, as without the shim. The probe is given the class.
 
     Several patches with a target on one attribute share one layer there, owned by the engine, which
     runs their wrappers in the catalogue's one order (``Patch.after``, ``Patch.place``).
     """
 
     spec: str
-    wrapper: Wrapper | Assigned
+    wrapper: Wrapper | AssignPart
     requires: str = ""
     probe: Callable[[object], str | None] | None = None
     assign: bool = False
@@ -92,7 +97,8 @@ class Target(_Spec):
         if not _TARGET.match(self.spec):
             raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
         if not callable(self.wrapper):
-            raise TypeError(f"target {self.spec!r}: the wrapper must be a callable (wrapped, instance, args, kwargs)")
+            shape = "make(name, switch)" if self.assign else "(wrapped, instance, args, kwargs)"
+            raise TypeError(f"target {self.spec!r}: the wrapper must be a callable {shape}")
         if self.probe is not None and not callable(self.probe):
             raise TypeError(f"target {self.spec!r}: the probe must be a callable (original) -> reason or None")
         if self.assign and "." not in self.path:

@@ -1,15 +1,16 @@
 """The checkpointing path, public: how a patch, built-in or a pack's, adds a step on the way a
 ``GradientCheckpointingLayer`` gets and calls its checkpoint function.
 
-A step is declared in the patch's own module and ordered with every other step by its patch's place
-in the catalogue-wide order (``Patch.after``, ``Patch.place``: ``shim.order``); nothing else is
-edited for a new step::
+A step is declared in the patch's own module and given to its patch with :func:`targets`. It has
+no name: it is its patch's (the engine hands its part the patch's name and switch as the patch
+applies), ordered with every other step by its patch's place in the catalogue-wide order
+(``Patch.after``, ``Patch.place``: ``shim.order``); nothing else is edited for a new step::
 
     from shim import Patch, record_effect
     from shim.checkpointing import Step, eager, hand_over, in_effect, is_reentrant, probe, targets
 
-    STEP = Step(NAME, applies=is_reentrant, act=_act)
-    PATCH = Patch(name=NAME, ..., targets=targets(STEP, probe=probe), in_effect=in_effect(NAME, "..."))
+    STEP = Step(applies=is_reentrant, act=_act)
+    PATCH = Patch(name=NAME, ..., targets=targets(STEP, probe=probe), in_effect=in_effect(STEP, "..."))
 
 - :mod:`shim.checkpointing.path`: the path itself: :class:`Step`, :func:`targets` (the two targets
   every step's patch takes, :data:`SLOT` and :data:`SETSTATE`), the shared call-shape :func:`probe`,

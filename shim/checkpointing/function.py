@@ -27,6 +27,7 @@ from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, cast
 
 from shim import record_effect
+from shim.settings import PatchError, flag, warn_once
 
 if TYPE_CHECKING:
     from shim.runtime import Switch
@@ -99,30 +100,34 @@ class LayerCheckpoint(functools.partial[Any]):
     it (``==``, same hash) but is not it (``is``). It pickles, copies and deep-copies as ``given``
     would, so a saved model holds only what upstream's holds; a layer unpickled or copied with the
     shim loaded is given its function again and gets a ``LayerCheckpoint`` anew.
-    ``steps``: ``(switch, act)`` of each step that applies, in the order they act, ``names`` their
-    patches';
-    ``made_from``: what the slot's previous part handed on (``given``, or a ``LayerCheckpoint``
-    with fewer steps, kept alive so that the next layer given ``given`` finds the same objects).
+    ``steps``: ``(switch, act)`` of each step that applies, in the order they act (each by its
+    patch's switch, the one the engine runs the patch's part on the slot by), ``names`` their
+    patches'. A step whose ``act`` raises is one warning (:func:`step_failed`): that call is handed
+    to the function as the layer handed it over, as without the steps.
     """
 
-    __slots__ = ("given", "steps", "names", "made_from")
+    __slots__ = ("given", "steps", "names")
     given: Any
     steps: tuple[tuple[Switch, Act], ...]
     names: tuple[str, ...]
-    made_from: Any
 
     def __call__(self, function: Any, *args: Any, **options: Any) -> Any:
         if type(function) is _partial:  # the call shape the probe checked
             layer = None
-            for switch, act in self.steps:
-                if switch.on:
-                    if layer is None:
-                        layer = layer_of(function)
+            handed_over, inputs = function, args
+            try:
+                for switch, act in self.steps:
+                    if switch.on:
                         if layer is None:
-                            break
-                    handed = act(layer, function, args)
-                    if handed is not None:
-                        function, args = handed
+                            layer = layer_of(function)
+                            if layer is None:
+                                break
+                        handed = act(layer, function, args)
+                        if handed is not None:
+                            function, args = handed
+            except Exception as error:  # a step's fault never reaches the training step
+                step_failed(self.names[[acts for _on, acts in self.steps].index(act)], "on a checkpointed call", error)
+                function, args = handed_over, inputs
         if options:
             return self.func(*self.args, function, *args, **{**self.keywords, **options})
         return self.func(*self.args, function, *args, **self.keywords)
@@ -150,19 +155,34 @@ class LayerCheckpoint(functools.partial[Any]):
         return copy.deepcopy(self.given, memo)
 
 
+_failed: set[tuple[str, str]] = set()  # (patch, when) warned about
+
+
+def step_failed(name: str, when: str, error: Exception) -> None:
+    """Patch ``name``'s step raised ``error`` (``when``): one ``ShimWarning`` per patch and moment,
+    a ``PatchError`` under ``SHIM_STRICT=1``. The caller carries on without the step."""
+    message = (
+        f"patch {name!r}: its checkpointing step raised {type(error).__name__}: {error} {when}; the "
+        f"layer keeps the function it was given, without this fix (SHIM_DISABLE={name} turns it off)"
+    )
+    if flag("SHIM_STRICT"):
+        raise PatchError(f"{message} (SHIM_STRICT=1)") from error
+    if (name, when) not in _failed:
+        _failed.add((name, when))
+        warn_once(message)
+
+
 eager(LayerCheckpoint.__call__)
 eager(record_effect)  # a step that acts counts its effect on that call
 
 
-def layer_checkpoint(
-    given: Any, steps: tuple[tuple[Switch, Act], ...], names: tuple[str, ...], made_from: Any
-) -> LayerCheckpoint:
-    """``given`` as a :class:`LayerCheckpoint` running ``steps`` (of the patches ``names``), made from ``made_from``."""
+def layer_checkpoint(given: Any, steps: tuple[tuple[Switch, Act], ...], names: tuple[str, ...]) -> LayerCheckpoint:
+    """``given`` as a :class:`LayerCheckpoint` running ``steps`` (of the patches ``names``)."""
     if type(given) is _partial:
         made = LayerCheckpoint(given.func, *given.args, **given.keywords)
     else:  # any other callable, a partial subclass included, is called as it is
         made = LayerCheckpoint(given)
-    made.given, made.steps, made.names, made.made_from = given, steps, names, made_from
+    made.given, made.steps, made.names = given, steps, names
     if not _eager:
         bind_torch()  # the steps read torch through this module's global
         leave_to_eager()

@@ -2,7 +2,8 @@
 act there. It names no patch: a patch with a part in it, built-in or a pack's, declares a
 :class:`Step` in its own module and takes the path's two targets with :func:`targets`; the
 engine's one layer on each target runs the parts of every such patch in the catalogue's one order
-(``shim.order``), as on any target.
+(``shim.order``), as on any target. A step has no name of its own: the engine hands its part the
+name and switch of the patch whose targets hold it, as the part joins the slot's layer.
 
 However a ``GradientCheckpointingLayer`` is given its function, it ends up assigned to
 ``layer._gradient_checkpointing_func`` (``_set_gradient_checkpointing`` at every enable and disable,
@@ -14,16 +15,18 @@ arrives with the layer (unpickled, ``torch.load``-ed, copied). Two targets see a
   ``LayerCheckpoint`` of it (``shim.checkpointing.function``), so the layer holds one object whose
   steps act on each call in the parts' order; where no step applies it holds the function itself,
   and a read returns what is stored, as without the shim. A step that asks to be told
-  (``Step.given``) is told each time a layer is given a function. A mock (``unittest.mock``) is
-  stored as it is: a test that patches the attribute sees its own object.
+  (``Step.given``) is told when a layer is given a function.
 - ``GradientCheckpointingLayer.__setstate__`` (:data:`SETSTATE`): a layer unpickled or copied is
   given its function again, so a model saved before (which holds only upstream's objects) gets its
   steps too.
 
-Whether a step applies to a function is decided once per function object, for every layer given
-it: an enable hands one function to every layer, and they all get the same ``LayerCheckpoint``, as
-upstream's share one partial. A step acts only while its patch is on; one switched on after a layer
-was given its function acts once the layer is given one again.
+What the parts make of a function is decided by the first layer given it; the next layers of its
+class given it in a row get the same object, from the engine's layer on the slot
+(``shim.assigning``), as upstream's share one partial. A step acts only while its patch's switch
+(the one the engine runs its part by) is on; one switched on after a layer was given its function
+acts once the layer is given one again. A step that raises never reaches the user's code: it is
+one ``ShimWarning`` naming its patch (a ``shim.PatchError`` under ``SHIM_STRICT=1``), and the layer
+keeps the function it was given.
 """
 
 from __future__ import annotations
@@ -35,128 +38,112 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shim import switch_of
 from shim.patch import Assigned, Target  # shim.Target itself, which the front door imports lazily
 
-from .function import Act, LayerCheckpoint, layer_checkpoint, layer_of
+from .function import Act, LayerCheckpoint, layer_checkpoint, layer_of, step_failed
 
 if TYPE_CHECKING:
     from shim.runtime import Switch
 
 ATTRIBUTE = "_gradient_checkpointing_func"
-_DECIDED = 64  # a part's remembered decisions, before the dead ones are dropped
 SLOT = f"transformers.modeling_layers:GradientCheckpointingLayer.{ATTRIBUTE}"
 SETSTATE = "transformers.modeling_layers:GradientCheckpointingLayer.__setstate__"
 _MISSING = object()
 
-#: id(value) -> (a weak reference to it, to what it becomes, or None: itself)
-_Decided = dict[int, tuple[weakref.ref[Any], Any]]
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Step:
-    """One patch's part in the checkpointing path, declared in the patch's own module.
+    """One patch's part in the checkpointing path, declared in the patch's own module and given to
+    its ``Patch`` with :func:`targets`. It has no name: it acts for the patch whose targets hold it,
+    by that patch's switch, at that patch's place in the catalogue's order (``Patch.after``,
+    ``Patch.place``): on a call, the steps act outermost first.
 
-    ``name``: the patch, whose switch says whether the step acts and whose place in the catalogue's
-    order (``Patch.after``, ``Patch.place``) says when: on a call, the steps act outermost first.
     ``applies(function)``: whether the step acts on the calls of a layer given ``function``.
     ``act(layer, function, args)``: per checkpointed call of such a layer (``function`` the
     partial the layer hands over, ``args`` the checkpoint's inputs), ``None`` to leave the call
     as it is, or the ``(function, args)`` to hand the checkpoint instead; the next step sees them.
-    ``given(layer, function)``: told each time a layer is given a callable; returns it. A step that
-    has no ``act`` is its ``given`` on the slot (one call per layer and assignment, nothing more).
-    A step has an ``act`` (with its ``applies``), a ``given``, or both.
+    ``given(layer, function)``: told when a layer is given a callable; returns what the layer is to
+    hold (``function`` itself to leave it). A step has an ``act`` (with its ``applies``), a
+    ``given``, or both; anything else is refused here, when the patch's module is imported.
     """
 
-    name: str
-    applies: Callable[[Any], bool] | None = None
-    act: Act | None = None
-    given: Callable[[Any, Any], Any] | None = None
+    applies: Callable[[Any], bool] | None
+    act: Act | None
+    given: Callable[[Any, Any], Any] | None
+
+    def __init__(
+        self,
+        *name: object,
+        applies: Callable[[Any], bool] | None = None,
+        act: Act | None = None,
+        given: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        if name:  # the name a step once repeated, which could name another patch than its own
+            raise TypeError(
+                f"Step({name[0]!r}, ...): a step takes no name; it acts for the patch whose targets hold it "
+                "(Patch(name=..., targets=targets(STEP))): write Step(applies=..., act=..., given=...)"
+            )
+        for what, value in (("applies", applies), ("act", act), ("given", given)):
+            if value is not None and not callable(value):
+                raise TypeError(f"Step: {what} must be a callable or None, not {type(value).__name__}")
+            object.__setattr__(self, what, value)
+        if act is None and given is None:
+            raise TypeError("Step: a step has an act, a given, or both")
+        if act is not None and applies is None:
+            raise TypeError("Step: a step with an act needs applies(function)")
 
 
 def targets(step: Step, probe: Callable[[Any], str | None] | None = None) -> tuple[Target, Target]:
     """The path's two targets with ``step``'s parts, for its patch's ``targets``."""
-    return Target(SLOT, _part(step), probe=probe, assign=True), Target(SETSTATE, _given_again)
+    if not isinstance(step, Step):
+        raise TypeError(f"targets() takes a shim.checkpointing.Step, not {type(step).__name__}")
+    return Target(SLOT, functools.partial(_part, step), probe=probe, assign=True), Target(SETSTATE, _given_again)
 
 
-def _part(step: Step) -> Assigned:
-    """``step``'s part on the slot: what a layer holds when it is given ``value``. It runs for every
-    layer at every enable and disable, so the usual case (the function the first layer was given)
-    is one lookup: what ``value`` becomes with the step is decided once per object, remembered
-    while it lives."""
+def _part(step: Step, name: str, switch: Switch) -> Assigned:
+    """``step``'s part on the slot, made by the engine as patch ``name``'s part joins the slot's
+    layer, with the switch that part answers to: what a layer holds when it is given ``value``."""
     told, act, applies = step.given, step.act, step.applies
-    if act is None:
-        if told is None:
-            raise TypeError(f"step {step.name!r}: a Step has an act, a given, or both")
-        return told
-    if applies is None:
-        raise TypeError(f"step {step.name!r}: a Step with an act needs applies(function)")
-    # id(value) -> (a weak reference to it, to what it becomes, or None: itself); an entry whose value
-    # is gone is dropped later, and never matches another object at that address
-    decided: _Decided = {}
-    # the patch's switch, found at the first decision (a part is made before its patch registers)
-    switch: list[Switch] = []
 
     def given(layer: Any, value: Any) -> Any:
-        if told is not None:
-            told(layer, value)
-        found = decided.get(id(value))
-        if found is not None and found[0]() is value:
-            if found[1] is None:
-                return value
-            made = found[1]()
-            if made is not None:
-                return made
-        if not switch:
-            switch.append(switch_of(step.name))
-        return _decide(step.name, applies, act, switch[0], value, decided)
+        try:
+            held = value if told is None else told(layer, value)
+            if act is None or applies is None:
+                return held
+            return _decide(name, applies, act, switch, held)
+        except Exception as error:  # a step's fault never reaches the user's enable
+            step_failed(name, "as a layer was given its checkpoint function", error)
+            return value
 
     return given
 
 
-def _decide(name: str, applies: Callable[[Any], bool], act: Act, switch: Switch, value: Any, decided: _Decided) -> Any:
+def _decide(name: str, applies: Callable[[Any], bool], act: Act, switch: Switch, value: Any) -> Any:
     """``value`` with the step of patch ``name``: a ``LayerCheckpoint`` of the function it is (or
     stands for) whose steps end with ``act``, or ``value`` itself where the step does not apply or
-    holds it already (a layer given what another layer holds); remembered in ``decided`` while
-    ``value`` lives."""
+    holds it already (a layer given what another layer holds)."""
     if type(value) is LayerCheckpoint:
         function, steps, names = value.given, value.steps, value.names
         applies_here = all(acts is not act for _switch, acts in steps) and applies(function)
     else:
         function, steps, names = value, (), ()
         applies_here = callable(value) and not _is_mock(value) and applies(function)
-    made = layer_checkpoint(function, (*steps, (switch, act)), (*names, name), value) if applies_here else value
-    try:
-        reference = weakref.ref(value)
-    except TypeError:  # an object without weak references is decided again at each assignment
-        return made
-    if len(decided) >= _DECIDED:  # each enable hands the layers a new function: forget the dead ones
-        for key in [key for key, (ref, _made) in decided.items() if ref() is None]:
-            del decided[key]
-    key = id(value)
-    if not applies_here:
-        decided[key] = (reference, None)
-    elif type(function) is not functools.partial and _module_level(function):
-        # A module's own function (torch's checkpoint, which every disable hands the layers) holds no
-        # model: what it becomes is kept, not made again at every disable.
-        decided[key] = (reference, lambda: made)
-    else:
-        decided[key] = (reference, weakref.ref(made))
-    return made
+    return layer_checkpoint(function, (*steps, (switch, act)), (*names, name)) if applies_here else value
 
 
-def _module_level(function: Any) -> bool:
-    """Whether ``function`` is what its module holds under its name (it lives as long as the module)."""
-    module = sys.modules.get(getattr(function, "__module__", None) or "")
-    return module is not None and getattr(module, getattr(function, "__name__", ""), None) is function
+def in_effect(step: Step, what: str) -> Callable[[Any], list[str]]:
+    """``Patch.in_effect`` of the patch with ``step``: on how many of a model's layers, and which
+    kinds, the step acts (``what`` it does), counting those whose checkpointing is on."""
+    act = step.act
+    if act is None:
+        raise TypeError("in_effect(step, ...) counts where a step acts: this step has no act")
 
-
-def in_effect(name: str, what: str) -> Callable[[Any], list[str]]:
-    """``Patch.in_effect`` of patch ``name``'s step: on how many of a model's layers, and which
-    kinds, it acts (``what`` it does), counting those whose checkpointing is on."""
+    def acts_on(layer: Any) -> bool:
+        held = layer.__dict__.get(ATTRIBUTE)
+        return type(held) is LayerCheckpoint and any(acts is act for _switch, acts in held.steps)
 
     def on(model: Any) -> list[str]:
-        layers = [m for m in model.modules() if name in getattr(m.__dict__.get(ATTRIBUTE), "names", ())]
+        layers = [m for m in model.modules() if acts_on(m)]
         if not layers:
             return []
         kinds = ", ".join(sorted({type(layer).__name__ for layer in layers}))

@@ -35,7 +35,8 @@ def doubling(seen):
 
 
 def make_patch(pkg, assigned, name="demo", attribute="slot", probe=None, after=()):
-    target = Target(f"{pkg}.target:Layer.{attribute}", assigned, assign=True, probe=probe)
+    """A patch whose part on ``Layer.<attribute>`` is ``assigned(instance, value)``, whatever it is handed."""
+    target = Target(f"{pkg}.target:Layer.{attribute}", lambda name, switch: assigned, assign=True, probe=probe)
     return Patch(name=name, summary="demo", distribution=pkg, requires=">=1.0", targets=(target,), after=after)
 
 
@@ -161,6 +162,25 @@ def test_strict_mode_raises_on_a_probe_that_finds_the_shape_changed(fake_modules
     registry.activate()
     with pytest.raises(PatchError, match="the call shape changed"):
         importlib.import_module(f"{pkg}.target")
+
+
+def test_an_assign_targets_part_is_made_with_its_patchs_name_and_switch(fake_modules):
+    """The engine hands an assign target's part the name and switch of the patch whose targets hold
+    it, as it joins the layer: the switch the engine runs the part by, the one ``switch_of`` gives."""
+    pkg = fake_modules(target=TARGET)
+    made = []
+
+    def make(name, switch):
+        made.append((name, switch))
+        return lambda instance, value: (name, switch.on, value)
+
+    target = Target(f"{pkg}.target:Layer.slot", make, assign=True)
+    registry = Registry([Patch(name="demo", summary="demo", distribution=pkg, requires=">=1.0", targets=(target,))])
+    registry.activate()
+    layer = importlib.import_module(f"{pkg}.target").Layer()
+    assert made == [("demo", registry.switch_of("demo"))]
+    layer.slot = 1
+    assert layer.slot == ("demo", True, 1)
 
 
 def test_an_assign_target_needs_a_class_and_an_attribute():

@@ -238,8 +238,8 @@ def test_patches_on_one_target_share_one_layer_each_part_on_while_its_patch_is(f
     module = importlib.import_module(f"{pkg}.target")
 
     def part(name):
-        if assign:
-            return lambda instance, value: [*value, name]
+        if assign:  # made for its patch as it joins the layer
+            return lambda patch, switch: lambda instance, value: [*value, name]
         return tagging(name)
 
     def call():

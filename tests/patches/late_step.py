@@ -21,7 +21,7 @@ def _act(layer, function, args):
     return hand_over(function, recompute, layer), args
 
 
-STEP = Step(NAME, applies=callable, act=_act)
+STEP = Step(applies=callable, act=_act)
 
 PATCH = Patch(
     name=NAME,

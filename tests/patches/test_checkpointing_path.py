@@ -873,6 +873,21 @@ def test_an_enable_passes_each_layer_through_the_path_once():
     assert steps_asked <= len(on_the_path), calls
 
 
+def test_each_step_acts_by_its_patchs_one_switch():
+    """The engine hands a step's part its patch's switch as the patch applies: what a layer holds
+    carries, for each step, the switch the engine runs that patch's part by (``shim.switch_of``'s),
+    no other looked up by a name."""
+    from shim.checkpointing import ATTRIBUTE, LayerCheckpoint
+
+    model = tiny_llama(2)
+    model.train()
+    enable_checkpointing(model, {"use_reentrant": True})
+    held = model.model.layers[0].__dict__[ATTRIBUTE]
+    assert type(held) is LayerCheckpoint and held.names, held
+    assert [switch for switch, _act in held.steps] == [shim.switch_of(name) for name in held.names]
+    assert all(switch is shim.switch_of(name) for (switch, _act), name in zip(held.steps, held.names))
+
+
 # -- 8: a step added later still acts before finds-layer's hand-over ----------------------------------
 
 #: A tiny Llama trained through a layer-finding checkpoint function with a step of ``STEP_MODULE``
@@ -940,16 +955,23 @@ def test_a_step_declared_later_after_a_built_in_acts_before_finds_layers_hand_ov
 # -- 9: a step that cannot act is refused where it is declared ------------------------------------------
 
 
-def test_a_step_with_nothing_to_do_is_refused_where_its_targets_are_taken():
-    """``targets(STEP)`` runs when the patch module is imported: a step with neither an ``act`` nor a
-    ``given``, or an ``act`` without ``applies``, fails there, saying what it lacks, not at an enable."""
+def test_a_step_with_nothing_to_do_or_a_name_is_refused_where_it_is_declared():
+    """A ``Step`` is made when the patch module is imported: one with neither an ``act`` nor a
+    ``given``, an ``act`` without ``applies``, or a name (which once could differ from its patch's)
+    fails there, saying what is wrong, not at an enable."""
     from shim.checkpointing import Step, targets
 
     with pytest.raises(TypeError, match="an act, a given, or both"):
-        targets(Step("nothing-to-do"))
+        Step()
     with pytest.raises(TypeError, match="needs applies"):
-        targets(Step("acts-on-nothing", act=lambda layer, function, args: None))
-    slot, setstate = targets(Step("told-only", given=lambda layer, function: function))
+        Step(act=lambda layer, function, args: None)
+    with pytest.raises(TypeError, match=r"Step\('my-step', \.\.\.\): a step takes no name"):
+        Step("my-step", given=lambda layer, function: function)
+    with pytest.raises(TypeError, match="applies must be a callable"):
+        Step(applies="my-step", act=lambda layer, function, args: None)
+    with pytest.raises(TypeError, match="takes a shim.checkpointing.Step"):
+        targets("my-step")
+    slot, setstate = targets(Step(given=lambda layer, function: function))
     assert slot.assign and not setstate.assign
 
 
@@ -988,3 +1010,135 @@ def test_a_patch_packs_step_is_ordered_with_the_built_ins_steps(tmp_path):
     assert out["order"][0] == "pack-step" and out["order"][-1] == "checkpoint-function-finds-layer", out["order"]
     assert out["seen"] and not any(out["seen"]), "the pack's step acts before finds-layer's hand-over"
     assert out["wrong"] == []
+
+
+# -- 11: a pack's step is its patch's, and its faults stay out of the user's code ------------------------
+
+#: A pack's module with one step, ``STEP_SOURCE`` (``probe`` and ``targets`` imported), in patch ``my-fix``.
+FAULTY_PACK = """
+from shim import Patch
+from shim.checkpointing import Step, probe, targets
+
+
+def boom(*args):
+    raise RuntimeError("the step broke")
+
+
+STEP = STEP_SOURCE
+PATCH = Patch(
+    name="my-fix",
+    summary="A pack's step.",
+    distribution="transformers",
+    requires=">=4.57",
+    targets=targets(STEP, probe=probe),
+)
+"""
+#: A tiny Llama trained twice with non-reentrant checkpointing, enabled through the public API,
+#: what reached torch's checkpoint recorded (no built-in step applies to it: only the pack's may).
+FAULTY_RUN = """
+import functools, json, sys, warnings
+sys.path.insert(0, PACK_ROOT)
+caught = warnings.catch_warnings(record=True).__enter__()  # from the pack module's import on
+warnings.simplefilter("always")
+import torch
+import shim
+import transformers.modeling_utils as modeling_utils
+from tests.tinymodels import tiny_llama
+from tests.steps import trainable_grads, wrong_grads
+
+reached, real = [], modeling_utils.checkpoint
+def spy(function, *args, **kwargs):
+    reached.append(function)
+    return real(function, *args, **kwargs)
+modeling_utils.checkpoint = torch.utils.checkpoint.checkpoint = spy  # torch's, as the steps see it
+
+torch.manual_seed(0)
+model = tiny_llama(2)
+model.train()
+ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+loss_of = lambda m: m(ids, labels=ids).loss
+reference = trainable_grads(model, loss_of)
+try:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    raised = None
+except Exception as error:
+    raised = f"{type(error).__name__}: {error}"
+grads = [trainable_grads(model, loss_of) for _ in range(2)] if raised is None else []
+status = {s.name: (s.state, s.reason) for s in shim.status()}.get("my-fix")
+held = model.model.layers[0].__dict__.get("_gradient_checkpointing_func")
+print(json.dumps({
+    "raised": raised,
+    "status": status,
+    "warnings": [str(w.message) for w in caught if issubclass(w.category, shim.ShimWarning) and "my-fix" in str(w.message)],
+    "held": type(held).__name__,
+    "reached": sorted({f"{type(f).__name__} {getattr(f.func, '__module__', '').partition('.')[0]}" for f in reached}),
+    "layer calls": len(reached),
+    "wrong": [name for g in grads for name in wrong_grads(reference, g)],
+    "grads": sum(1 for g in grads for value in g.values() if value is not None),
+}))
+"""
+
+
+def run_step_pack(tmp_path, step_source, env=None):
+    """``FAULTY_RUN`` with a pack (another distribution, found through its entry point) whose patch
+    ``my-fix`` has the step ``step_source``; what it printed."""
+    package = tmp_path / "shim_faulty_pack"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fixes.py").write_text(FAULTY_PACK.replace("STEP_SOURCE", step_source))
+    metadata = tmp_path / "shim_faulty_pack-1.0.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-faulty-pack\nVersion: 1.0\n")
+    (metadata / "entry_points.txt").write_text(
+        "[hf_train_shim.patches]\nmy-fix = shim_faulty_pack.fixes:PATCH\n\n[hf_train_shim.targets]\n"
+        "my-fix.transformers.modeling_layers = transformers.modeling_layers\n"
+    )
+    code = FAULTY_RUN.replace("PACK_ROOT", repr(str(tmp_path)))
+    return json.loads(run_python(code, env=env, torch_first=True).stdout.splitlines()[-1])
+
+
+def test_a_pack_step_that_repeats_a_name_is_refused_and_the_enable_trains(tmp_path):
+    """``Step("my-step", ...)`` in patch ``my-fix`` once showed ``applied`` and then raised
+    ``KeyError: "no patch named 'my-step'"`` into every ``gradient_checkpointing_enable()``. A step
+    has no name now: the declaration is refused when the pack's module is imported (its target's
+    import), with one warning saying how to write it, and the enable and training go on."""
+    out = run_step_pack(tmp_path, 'Step("my-step", applies=callable, act=lambda layer, function, args: None)')
+    assert out["raised"] is None, out["raised"]
+    state, reason = out["status"]
+    assert state == "failed" and "a step takes no name" in reason, out["status"]
+    (warned,) = out["warnings"]
+    assert "my-fix" in warned and "Step(applies=..., act=..., given=...)" in warned
+    assert out["held"] == "partial" and out["reached"] == ["partial transformers"], out
+    assert out["wrong"] == [] and out["grads"] > 0
+
+
+#: A step whose applies, act or given raises (and does nothing else).
+FAULTS = {
+    "applies": "Step(applies=boom, act=lambda layer, function, args: None)",
+    "act": "Step(applies=callable, act=boom)",
+    "given": "Step(given=boom)",
+}
+
+
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_a_step_that_raises_is_one_warning_and_the_layer_keeps_upstreams_function(tmp_path, where):
+    """Nothing a pack's step does reaches ``gradient_checkpointing_enable()`` or the training step:
+    its patch applied, a raise in its ``applies`` or ``given`` (as a layer is given its function) or
+    in its ``act`` (on each checkpointed call) is one ``ShimWarning`` naming the patch; torch's
+    checkpoint is handed what the layer handed over (upstream's partial, not a step's), and two
+    training steps get the gradients of no checkpointing."""
+    out = run_step_pack(tmp_path, FAULTS[where])
+    assert out["raised"] is None, out["raised"]
+    assert out["status"][0] == "applied", out["status"]
+    (warned,) = out["warnings"]
+    assert warned.startswith("patch 'my-fix': its checkpointing step raised RuntimeError: the step broke"), warned
+    assert out["reached"] == ["partial transformers"], out["reached"]
+    assert out["layer calls"] >= 4, "two steps through two checkpointed layers"
+    # decided faults leave the layer upstream's partial; a fault per call, the decision the step made
+    assert out["held"] == ("LayerCheckpoint" if where == "act" else "partial")
+    assert out["wrong"] == [] and out["grads"] > 0
+
+
+def test_under_strict_mode_a_step_that_raises_is_a_patch_error(tmp_path):
+    out = run_step_pack(tmp_path, FAULTS["applies"], env={"SHIM_STRICT": "1"})
+    assert out["raised"].startswith("PatchError: patch 'my-fix': its checkpointing step raised RuntimeError"), out

@@ -105,8 +105,9 @@ ROOMS = {
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
     "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
     # the checkpointing path, public: the steps' targets and what a step uses; built on the front
-    # door as a patch is, and imported only by patch modules with a step, never by the engine
-    "shim.checkpointing": {"shim.patch", "shim.runtime"},
+    # door as a patch is (settings: a faulty step's one warning), and imported only by patch modules
+    # with a step, never by the engine
+    "shim.checkpointing": {"shim.patch", "shim.runtime", "shim.settings"},
     "shim.assigning": {"shim.parts"},  # an assign target's layer
     "shim.wrapping": {"shim.assigning", "shim.parts"},  # the layer in one target
     "shim.rebinding": set(),  # consumers' copies of a target

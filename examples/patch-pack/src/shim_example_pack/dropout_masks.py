@@ -94,7 +94,7 @@ def _bug_probe() -> Evidence:
     return Evidence(False, "a layer that drops out gets the same gradients checkpointed with preserve_rng_state=False")
 
 
-STEP = Step(NAME, given=_keeps_masks)
+STEP = Step(given=_keeps_masks)
 
 PATCH = Patch(
     name=NAME,
