@@ -54,6 +54,7 @@ instead. A built-in is never replaced by a pack.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
@@ -119,26 +120,54 @@ def found(paths: Iterable[str] | None = None) -> list[Listing]:
 def _declared(metadata: str) -> list[Listing]:
     """The records of one distribution's metadata folder; ``[]`` where it declares no pack, or where it
     is left out (with one warning where it declares the group)."""
+    texts: dict[str, str] = {}
     try:
         for file_name, mark in (("entry_points.txt", _MARK), ("METADATA", b""), ("PKG-INFO", b"")):
             try:
-                if read(os.path.join(metadata, file_name), mark) is None and mark:
-                    return []  # most distributions declare no entry point at all, or none of this group
+                text = read(os.path.join(metadata, file_name), mark)
             except Unreadable as problem:
                 declares = problem.declares or not mark  # its METADATA is read once the group was seen
                 raise Unreadable(f"its {file_name} {problem.why}", declares) from None
+            if text is None and mark:
+                return []  # most distributions declare no entry point at all, or none of this group
+            if text is not None:
+                texts[file_name] = text
+                if not mark:
+                    break  # METADATA, else PKG-INFO, as importlib.metadata reads them
     except Unreadable as problem:
         if problem.declares:
             _left_out_distribution(metadata, problem.why)
         return []
-    import importlib.metadata
-    import pathlib
-
+    headers = texts.get("METADATA", texts.get("PKG-INFO", ""))
     try:
-        return _records(importlib.metadata.PathDistribution(pathlib.Path(metadata)))
+        return _records(_read_distribution(texts), _identity(headers, os.path.basename(metadata)))
     except Exception as exc:  # importlib.metadata refuses a line it cannot parse
         _left_out_distribution(metadata, f"its entry points cannot be read ({exc!r})")
         return []
+
+
+def _read_distribution(texts: dict[str, str]) -> Any:
+    """An ``importlib.metadata.Distribution`` of the files already read (its documented way to be
+    given files from elsewhere: ``read_text``), which parses them as it parses any distribution's."""
+    distribution = _read_class()()
+    distribution.texts = texts
+    return distribution
+
+
+@functools.cache
+def _read_class() -> type:
+    import importlib.metadata
+
+    class Read(importlib.metadata.Distribution):
+        texts: dict[str, str]
+
+        def read_text(self, filename: str) -> str | None:
+            return self.texts.get(filename)
+
+        def locate_file(self, path: Any) -> Any:
+            raise FileNotFoundError(path)  # a record needs no file of the distribution
+
+    return Read
 
 
 def _in_archive(archive: str, seen: set[str]) -> list[Listing]:
@@ -151,16 +180,16 @@ def _in_archive(archive: str, seen: set[str]) -> list[Listing]:
             key = normalized(distribution.metadata["Name"] or "")
             if key and key not in seen:
                 seen.add(key)
-                out += _records(distribution)
+                out += _records(distribution, (distribution.metadata["Name"], distribution.version))
     except Exception as exc:  # a broken archive: never the user's import
         _left_out_distribution(archive, f"its distributions cannot be read ({exc!r})")
     return out
 
 
-def _records(distribution: Any) -> list[Listing]:
-    """The records of one distribution's entry points: each of :data:`GROUP`, with its target modules
-    (:data:`TARGETS`: ``<patch>.<module>``) and its order (:data:`ORDER`: ``<patch>.place.<place>``,
-    ``<patch>.after.<patch>``)."""
+def _records(distribution: Any, identity: tuple[str, str]) -> list[Listing]:
+    """The records of one distribution's entry points (``identity``: its name and version): each of
+    :data:`GROUP`, with its target modules (:data:`TARGETS`: ``<patch>.<module>``) and its order
+    (:data:`ORDER`: ``<patch>.place.<place>``, ``<patch>.after.<patch>``)."""
     points = distribution.entry_points
     listed: dict[str, dict[str, list[str]]] = {}
     for point in points.select(group=TARGETS):
@@ -169,8 +198,7 @@ def _records(distribution: Any) -> list[Listing]:
         patch, _, rest = point.name.partition(".")
         field, _, value = rest.partition(".")
         listed.setdefault(patch, {}).setdefault(field, []).append(value)
-    fields = distribution.metadata
-    provider, version = fields["Name"] or "?", fields["Version"] or "?"
+    provider, version = identity
     out = []
     for point in points.select(group=GROUP):
         module, _, attribute = point.value.partition(":")
@@ -227,6 +255,21 @@ def normalized(name: str) -> str:
     """A distribution's name as ``importlib.metadata`` compares them: lower case, runs of ``-``, ``_``
     and ``.`` as one ``-``."""
     return "-".join(filter(None, name.lower().replace("_", "-").replace(".", "-").split("-")))
+
+
+def _identity(headers: str, folder_name: str) -> tuple[str, str]:
+    """``Name`` and ``Version`` from the headers of a distribution's ``METADATA`` (its folder's name
+    where they are missing): two fields, where ``importlib.metadata`` would import ``email`` to read
+    them."""
+    name, version = _named_in(folder_name)
+    fields = {"name": name, "version": version or "?"}
+    for line in headers.splitlines():
+        if not line.strip():  # the end of the headers
+            break
+        key, _, value = line.partition(":")
+        if key.lower() in fields:
+            fields[key.lower()] = value.strip()
+    return fields["name"], fields["version"]
 
 
 def _named_in(folder_name: str) -> tuple[str, str]:
