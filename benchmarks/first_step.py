@@ -32,19 +32,12 @@ for _name, _value in QUIET_ENV.items():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from workloads import STEP_CONFIG as CONFIG  # noqa: E402  (the step benchmark's 4-layer model)
+from workloads import STEP_SHAPE as SHAPE  # noqa: E402
 from workloads import batch, llama, quiet_libraries  # noqa: E402
 
 import shim  # noqa: E402
 
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=256,
-)
-SHAPE = (4, 64)
 MODES = ("shim off", "no audit", "audit")
 
 

@@ -43,7 +43,7 @@ import in_process
 import layer_calls
 import wrappers
 from harness import ROOT, noise_line, pin
-from workloads import quiet_libraries, save_model
+from workloads import STEP_CONFIG, STEP_SHAPE, quiet_libraries, save_model
 
 SECTIONS = ("imports", "fresh", "in-process", "wrappers", "engine", "layer-calls")
 
@@ -76,15 +76,8 @@ def parse_args(argv=None):
             vocab_size=128,
         )
         if quick
-        else dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=256,
-        ),
-        "batch": (2, 32) if quick else (4, 64),
+        else STEP_CONFIG,
+        "batch": (2, 32) if quick else STEP_SHAPE,
         # trl's disable/enable cycle is also measured on a deep model: its cost grows with the modules
         "deep_layers": 8 if quick else 32,
     }

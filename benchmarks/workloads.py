@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import warnings
 
+#: The training step's model (a 4-layer Llama) and batch: ``overhead.py``'s step and ``first_step.py``.
+STEP_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=256,
+)
+STEP_SHAPE = (4, 64)
+
 
 def quiet_libraries() -> None:
     """One torch thread, no warnings, no progress bars, no info logs."""
