@@ -588,17 +588,10 @@ def test_a_stale_target_list_is_said_wherever_the_module_is_loaded(tmp_path, mon
     registry.deactivate()
 
 
-SELF_IMPORTING = """
-from shim import Evidence, Patch, Target, record_effect
-from {n} import target  # the pack imports its own target at its top
-
-def _double(wrapped, instance, args, kwargs):
-    record_effect(NAME, "doubled")
-    return 2 * wrapped(*args, **kwargs)
-
-PATCH = Patch(name=NAME, summary="doubles one()", distribution=DIST, requires=">=1.0",
-              targets=(Target(TARGET + ":one", _double),), bug_probe=lambda: Evidence(False, "one() doubles"))
-"""
+#: The GOOD pack, importing its own target at its top.
+SELF_IMPORTING = GOOD.replace(
+    "record_effect\n", "record_effect\nfrom {n} import target  # the pack imports its own target at its top\n", 1
+)
 
 
 @pytest.mark.parametrize("when", ["after import shim", "before import shim"])

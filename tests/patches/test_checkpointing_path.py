@@ -986,23 +986,28 @@ PACK_RUN = STEP_RUN.replace("import shim\n", "sys.path.insert(0, PACK_ROOT)\nimp
 
 
 @from_5_23
+def install_step_pack(root, package, patch, source, after=""):
+    """An installed distribution under ``root``: package ``package`` whose ``fixes`` module (``source``)
+    declares patch ``patch`` on the checkpointing path, with its record (``after``: the patch it sits after)."""
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    (root / package / "fixes.py").write_text(source)
+    metadata = root / f"{package}-1.0.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 1.0\n")
+    order = f"\n[hf_train_shim.order]\n{patch}.after.{after} = {package}.fixes\n" if after else ""
+    (metadata / "entry_points.txt").write_text(
+        f"[hf_train_shim.patches]\n{patch} = {package}.fixes:PATCH\n\n[hf_train_shim.targets]\n"
+        f"{patch}.transformers.modeling_layers = transformers.modeling_layers\n{order}"
+    )
+
+
 def test_a_patch_packs_step_is_ordered_with_the_built_ins_steps(tmp_path):
     """A pack (another distribution, found through its entry point) declares a step with
     ``shim.checkpointing`` alone: it registers after the built-ins, so its part sits outside theirs
     of the same place (it acts first on a call), and finds-layer, innermost, still hands the layer
     both ways to what the pack's step handed over."""
-    package = tmp_path / "shim_step_pack"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "fixes.py").write_text(PACK_STEP)
-    metadata = tmp_path / "shim_step_pack-1.0.dist-info"
-    metadata.mkdir()
-    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-step-pack\nVersion: 1.0\n")
-    (metadata / "entry_points.txt").write_text(
-        "[hf_train_shim.patches]\npack-step = shim_step_pack.fixes:PATCH\n\n[hf_train_shim.targets]\n"
-        "pack-step.transformers.modeling_layers = transformers.modeling_layers\n\n[hf_train_shim.order]\n"
-        "pack-step.after.reentrant-frozen-input-grads = shim_step_pack.fixes\n"
-    )
+    install_step_pack(tmp_path, "shim_step_pack", "pack-step", PACK_STEP, after="reentrant-frozen-input-grads")
     out = json.loads(
         run_python(PACK_RUN.replace("PACK_ROOT", repr(str(tmp_path))), torch_first=True).stdout.splitlines()[-1]
     )
@@ -1082,17 +1087,7 @@ print(json.dumps({
 def run_step_pack(tmp_path, step_source, env=None):
     """``FAULTY_RUN`` with a pack (another distribution, found through its entry point) whose patch
     ``my-fix`` has the step ``step_source``; what it printed."""
-    package = tmp_path / "shim_faulty_pack"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "fixes.py").write_text(FAULTY_PACK.replace("STEP_SOURCE", step_source))
-    metadata = tmp_path / "shim_faulty_pack-1.0.dist-info"
-    metadata.mkdir()
-    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: shim-faulty-pack\nVersion: 1.0\n")
-    (metadata / "entry_points.txt").write_text(
-        "[hf_train_shim.patches]\nmy-fix = shim_faulty_pack.fixes:PATCH\n\n[hf_train_shim.targets]\n"
-        "my-fix.transformers.modeling_layers = transformers.modeling_layers\n"
-    )
+    install_step_pack(tmp_path, "shim_faulty_pack", "my-fix", FAULTY_PACK.replace("STEP_SOURCE", step_source))
     code = FAULTY_RUN.replace("PACK_ROOT", repr(str(tmp_path)))
     return json.loads(run_python(code, env=env, torch_first=True).stdout.splitlines()[-1])
 
