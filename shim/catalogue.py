@@ -30,7 +30,7 @@ PACKAGE = f"{__package__}.patches"
 #: What ``PatchStatus.provider`` says of a built-in patch: this distribution (a pack's names its own).
 PROVIDER = "hf-train-shim"
 #: What to do where a record is stale, a built-in's and a pack's.
-REWRITE = {PROVIDER: "run python -m shim index in hf-train-shim's checkout"}
+BUILTIN_REWRITE = "run python -m shim index in hf-train-shim's checkout"
 PACK_REWRITE = "run python -m shim index in the pack and reinstall it"
 
 
@@ -150,7 +150,7 @@ class Listing:
             )
         if not said:
             return ""
-        return f"{'; '.join(said)}: {REWRITE.get(self.provider, PACK_REWRITE)}"
+        return f"{'; '.join(said)}: {PACK_REWRITE if self.foreign else BUILTIN_REWRITE}"
 
     def refused(self, problem: str) -> ImportError:
         """The error that :meth:`load` raises: for a pack's record, warned about once (strict mode

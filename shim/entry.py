@@ -131,7 +131,7 @@ class Entry:
             self.patch = self.declared.load()
         return self.patch
 
-    def _gated(self) -> Patch | Listing:
+    def gated(self) -> Patch | Listing:
         """What its gate is read from: its record, or its Patch where the record holds none (a
         pack's: this imports its module)."""
         return self.declared if self.declared.requires is not None else self.load()
@@ -206,7 +206,7 @@ class Entry:
         try:
             now, needed = self._probe(now, ready, settings.probe)
         except Unfinished as unfinished:  # its module imports its own target: it applies once that module is done
-            return Progress(None, (*todo, unfinished.module))
+            return Progress(None, (*(m for m in todo if not ready(m)), unfinished.module))
         except Exception as exc:  # a pack's module that cannot be imported
             self._give_up(FAILED, unloadable(exc))
             return Progress(unloadable(exc))
@@ -246,7 +246,7 @@ class Entry:
             from .gating import gate
 
             try:
-                skip = gate(self._gated(), forced).skip
+                skip = gate(self.gated(), forced).skip
             except Unfinished:  # asked from inside its own module's import: decided once that is done
                 return
             except Exception as exc:
@@ -314,7 +314,7 @@ class Entry:
         from .gating import gate
 
         try:
-            found = gate(self._gated(), self.forced)
+            found = gate(self.gated(), self.forced)
         except Unfinished as unfinished:
             return False, str(unfinished)
         except Exception as exc:  # a pack's module that cannot be imported (its gate is in it)

@@ -217,14 +217,13 @@ class _Ending(ModuleSpec):
         if name == "_initializing" and not value:
             self.__class__ = ModuleSpec  # type: ignore[assignment]  # its own class, as it was
             with _lock:
-                _ending.discard(self.name)
+                note = _ending.pop(self.name, None)
             module = sys.modules.get(self.name)
             if module is not None and getattr(module, "__spec__", None) is self:  # not a failed import
-                _fire(module, late=_ending_notes.pop(self.name, None))
+                _fire(module, late=note)
 
 
-_ending: set[str] = set()  # modules whose spec is an _Ending
-_ending_notes: dict[str, str | None] = {}
+_ending: dict[str, str | None] = {}  # modules whose spec is an _Ending -> why their hooks fire late
 
 
 def _start_watcher(name: str, module: Any, note: str | None) -> None:
@@ -232,8 +231,7 @@ def _start_watcher(name: str, module: Any, note: str | None) -> None:
     allows (:class:`_Ending`), else from a daemon thread."""
     spec = getattr(module, "__spec__", None)
     if type(spec) is ModuleSpec:
-        _ending.add(name)
-        _ending_notes[name] = note
+        _ending[name] = note
         spec.__class__ = _Ending
         return
     watcher = threading.Thread(target=_watch, args=(name, module, note), name=f"shim: waits for {name}", daemon=True)

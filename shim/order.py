@@ -34,14 +34,16 @@ class OrderError(ValueError):
 
 
 class Ordered(Protocol):
-    """A patch as the order sees it; its ``after`` is read with :func:`after_of` (a built-in's
-    listing has none: the index already lists it in place)."""
+    """A patch as the order sees it: a ``Patch`` or a record of one (``shim.catalogue.Listing``)."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def place(self) -> str: ...
+
+    @property
+    def after(self) -> Sequence[str]: ...
 
 
 T = TypeVar("T", bound=Ordered)
@@ -56,19 +58,13 @@ def _shown(place: str) -> str:
     return repr(place) if place else "in between"
 
 
-def after_of(declared: object) -> tuple[str, ...]:
-    """The names a registered patch is declared after (a built-in's listing has them in its place)."""
-    after = getattr(declared, "after", ())
-    return after if isinstance(after, tuple) else ()
-
-
 def arrange(patches: Sequence[T]) -> list[T]:
     """``patches`` in the order given, each moved after the patches its ``after`` names among them
     (an unknown name or a cycle is left for :func:`check_after` to say)."""
-    if not any(after_of(patch) for patch in patches):
+    if not any(patch.after for patch in patches):
         return list(patches)  # the built-ins at ``import shim``: their index lists them in order
     position = {patch.name: index for index, patch in enumerate(patches)}
-    inside = {p.name: {n for n in after_of(p) if n in position and n != p.name} for p in patches}
+    inside = {p.name: {n for n in p.after if n in position and n != p.name} for p in patches}
     ordered = _inward_first(patches, inside, lambda patch: (position[patch.name],))
     return ordered + [p for p in patches if p not in ordered]
 
@@ -99,7 +95,7 @@ def _inward_first(
 def check_after(patch: Ordered, placed: Mapping[str, str]) -> None:
     """Whether ``patch`` can sit outside every patch its ``after`` names, among the patches already
     ``placed`` (name -> place); raises :class:`OrderError` naming the problem and the fix."""
-    for name in after_of(patch):
+    for name in patch.after:
         if name not in placed:
             raise OrderError(
                 f"patch {patch.name!r} is declared after {name!r}, which is not registered before it "
@@ -119,10 +115,10 @@ def stacking_order(patches: Sequence[T]) -> list[T]:
     by_name = {patch.name: patch for patch in patches}
     inside: dict[str, set[str]] = {}
     for patch in patches:
-        unknown = [name for name in after_of(patch) if name not in by_name]
+        unknown = [name for name in patch.after if name not in by_name]
         if unknown:
             raise OrderError(f"patch {patch.name!r} is declared after {unknown[0]!r}, which is no built-in patch")
-        named = {name for name in after_of(patch) if name in by_name}
+        named = {name for name in patch.after if name in by_name}
         for name in named:
             if PLACES.index(by_name[name].place) > PLACES.index(patch.place):
                 check_after(patch, {name: by_name[name].place})  # raises, naming both
@@ -162,7 +158,7 @@ def settle(packs: Sequence[T], placed: Mapping[str, str], left_out: Collection[s
         inside: dict[str, set[str]] = {}
         for patch in live:
             inside[patch.name] = set()
-            for name in after_of(patch):
+            for name in patch.after:
                 if name not in places:
                     gone = "was refused" if name in refused or name in left_out else "is not installed"
                     note = f"declared after {name!r}, which {gone}: that constraint is dropped"

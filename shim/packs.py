@@ -335,18 +335,19 @@ def _claim(record: Listing, taken: Iterable[str], claimed: dict[str, Listing]) -
 
 def _left_out(record: Listing, problem: str) -> None:
     """Warn once that ``record`` is left out; under ``SHIM_STRICT`` raise instead."""
-    message = pack_message(record, problem)
-    if settings.flag("SHIM_STRICT"):
-        raise settings.PatchError(f"{message} (SHIM_STRICT=1)")
-    settings.warn_once(message)
+    _say(pack_message(record, problem))
 
 
 def _left_out_distribution(folder: str, problem: str) -> None:
     """Warn once that the distribution of metadata ``folder`` is left out (under ``SHIM_STRICT``: raise)."""
-    message = (
+    _say(
         f"patch pack {settings.shown(os.path.basename(folder), 80)}: {problem}; its patches are left out, "
         "the rest of the shim works"
     )
+
+
+def _say(message: str) -> None:
+    """One ``ShimWarning``; under ``SHIM_STRICT`` a ``PatchError`` instead."""
     if settings.flag("SHIM_STRICT"):
         raise settings.PatchError(f"{message} (SHIM_STRICT=1)")
     settings.warn_once(message)

@@ -76,6 +76,13 @@ class Registry:
         patch pack's) or the :class:`Patch` given to :meth:`register` (nothing is imported)."""
         return self._entry(name).declared
 
+    def gated(self, name: str) -> Patch | Listing:
+        """What patch ``name``'s gate is read from: its record, or its Patch where the record holds
+        none (a pack's: this imports its module)."""
+        entry = self._entry(name)
+        with self._lock:
+            return entry.gated()
+
     def patch(self, name: str) -> Patch:
         """The declaration of patch ``name`` (this imports its module if it was not yet)."""
         entry = self._entry(name)

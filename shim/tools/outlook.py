@@ -21,7 +21,6 @@ from ..entry import APPLIED, DISABLED, FAILED, PENDING
 from ..gating import check_versions, installed_version, specifier_set
 
 if TYPE_CHECKING:
-    from ..catalogue import Listing
     from ..patch import Patch
     from ..records import PatchStatus
     from ..registry import Registry
@@ -57,10 +56,8 @@ def outlook(record: PatchStatus, registry: Registry) -> Outlook:
         return Outlook(BROKEN, state, reason)
     if record.state is APPLIED:
         return Outlook(APPLIES, state, reason)
-    declared: Patch | Listing = registry.declared(record.name)
-    if declared.requires is None:  # a pack's record: its gate is in its Patch, which the status imported
-        declared = registry.patch(record.name)
-    distribution, requires = declared.distribution or "", declared.requires or ""
+    gated = registry.gated(record.name)  # a pack's gate is in its Patch, which the status imported
+    distribution, requires = gated.distribution or "", gated.requires or ""
     if installed_version(distribution) is None:
         return Outlook(NOT_INSTALLED, state, reason)
     missed = _targets_missed(registry, record.name)
