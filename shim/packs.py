@@ -190,17 +190,20 @@ def _records(distribution: Any, identity: tuple[str, str]) -> list[Listing]:
     """The records of one distribution's entry points (``identity``: its name and version): each of
     :data:`GROUP`, with its target modules (:data:`TARGETS`: ``<patch>.<module>``) and its order
     (:data:`ORDER`: ``<patch>.place.<place>``, ``<patch>.after.<patch>``)."""
-    points = distribution.entry_points
     listed: dict[str, dict[str, list[str]]] = {}
-    for point in points.select(group=TARGETS):
-        listed.setdefault(point.name.partition(".")[0], {}).setdefault("modules", []).append(point.value.strip())
-    for point in points.select(group=ORDER):
-        patch, _, rest = point.name.partition(".")
-        field, _, value = rest.partition(".")
-        listed.setdefault(patch, {}).setdefault(field, []).append(value)
+    patches = []
+    for point in distribution.entry_points:  # one pass: select() would walk them once per group
+        if point.group == GROUP:
+            patches.append(point)
+        elif point.group == TARGETS:
+            listed.setdefault(point.name.partition(".")[0], {}).setdefault("modules", []).append(point.value.strip())
+        elif point.group == ORDER:
+            patch, _, rest = point.name.partition(".")
+            field, _, value = rest.partition(".")
+            listed.setdefault(patch, {}).setdefault(field, []).append(value)
     provider, version = identity
     out = []
-    for point in points.select(group=GROUP):
+    for point in patches:
         module, _, attribute = point.value.partition(":")
         record = listed.get(point.name, {})
         out.append(

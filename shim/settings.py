@@ -41,6 +41,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 PROBE_MODES = ("auto", "always", "never")
 #: The first-step audit's name (``shim.audit``): switched off like a patch, by ``SHIM_DISABLE``.
 AUDIT = "first-step-audit"
+#: What is said where the audit's name is given as a patch's (``shim.disable``, ``python -m shim explain``).
+AUDIT_IS_NO_PATCH = f"the first-step audit is no patch: SHIM_DISABLE={AUDIT} switches it off"
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -147,6 +149,9 @@ def _names(
     not a known name gets a warning; more than :data:`QUOTED` of a kind get one warning together.
     ``also``: names it takes besides the patches' (the audit's), not listed among the patches.
     """
+    raw = os.environ.get(variable, "")
+    if not raw.strip():  # the usual case, asked once per patch at each decision: no list to build
+        return False, frozenset()
     known = sorted(known)
     names = ", ".join(known)
     accepted = sorted({*known, *also})
@@ -154,7 +159,7 @@ def _names(
     refused: list[str] = []  # 'all' where it is not accepted
     unknown: list[str] = []  # patch names that no patch has
     malformed: list[str] = []  # no patch names at all
-    for part in os.environ.get(variable, "").split(","):
+    for part in raw.split(","):
         item = part.strip()
         if item.lower() in NONE:
             continue

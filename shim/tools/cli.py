@@ -264,9 +264,11 @@ def _command(argv: list[str]) -> int:
 
 def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
     """``given`` as the registry names it, or the command's usage error."""
-    from ..settings import canonical
+    from ..settings import AUDIT, AUDIT_IS_NO_PATCH, canonical
 
     name = canonical(given)
+    if name == AUDIT:
+        args.parser.error(AUDIT_IS_NO_PATCH)
     if name not in shim.registry.names:
         args.parser.error(f"no patch named {shown(given)}; {did_you_mean(name, shim.registry.names)}")
     return name

@@ -231,6 +231,7 @@ def test_the_python_api_takes_names_as_the_environment_does(fake_modules):
         ("frist-patch", "no patch named 'frist-patch'; did you mean first-patch, third-patch, second-patch?"),
         ("nothing-like-it", "no patch named 'nothing-like-it'; python -m shim lists them"),
         ("x" * 300, "no patch named 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...'; python -m shim lists them"),
+        ("First_Step_Audit", "the first-step audit is no patch: SHIM_DISABLE=first-step-audit switches it off"),
     ],
 )
 def test_an_unknown_name_raises_a_short_key_error_with_the_closest_names(fake_modules, name, message):

@@ -56,6 +56,10 @@ def test_explain_takes_the_names_the_environment_takes():
         [sys.executable, "-m", "shim", "explain", "no-such-patch"], capture_output=True, text=True, timeout=120
     )
     assert unknown.returncode == 2 and "no patch named 'no-such-patch'; python -m shim lists them" in unknown.stderr
+    audit = subprocess.run(
+        [sys.executable, "-m", "shim", "explain", "first_step_audit"], capture_output=True, text=True, timeout=120
+    )
+    assert audit.returncode == 2 and "SHIM_DISABLE=first-step-audit switches it off" in audit.stderr
     typo = subprocess.run(
         [sys.executable, "-m", "shim", "explain", "load-keep-requires-grad"],
         capture_output=True,
