@@ -205,7 +205,7 @@ class Gate(NamedTuple):
 
 
 def gate(declared: Patch | Listing, forced: bool) -> Gate:
-    """The patch's version gate, from its Patch or its record (one that holds it: ``Entry._gated``).
+    """The patch's version gate, from its Patch or its record (one that holds it: ``Entry.gated``).
     ``SHIM_FORCE`` lets a patch apply outside it, not where its distribution is missing or its
     version cannot be read."""
     versions = check_versions(declared.distribution or "", specifier_set(declared.requires or ""))

@@ -13,8 +13,9 @@ first; the checkpointing path's steps act on a call in the same order. A patch p
 Each place holds the built-ins first, then the patch packs and patches given to ``shim.register()``,
 in the order they register. The order is checked where it is declared: an unknown name, a cycle or
 an ``after`` that contradicts a ``place`` is an error when ``python -m shim index``
-generates the built-ins' index (which lists them in this order), and a ``ValueError`` from
-``Registry.register`` for a pack or a patch of your own (a pack is then left out with a warning).
+generates the built-ins' index (which lists them in this order), a pack refused with a warning by
+:func:`settle` at ``import shim`` (before its module is imported), and a ``ValueError`` from
+``Registry.register`` for a patch of your own.
 
 Loaded by ``import shim`` (a registered patch's rank is two integers); nothing here imports
 ``packaging`` or a patch module.
