@@ -94,9 +94,9 @@ def first_step_audit() -> str:
     said = [finding.line() for finding in audit.found] + audit.notes
     named = "\n\n```text\n" + "\n".join(said) + "\n```" if said else ""
     return (
-        "On: it names, at a model's first optimizer step, trainable parameters whose module ran and that got no "
-        "gradient, and checkpointing that did not run; paste its `hf-train-shim first-step audit` line from your "
-        "run's log here." + named
+        "On: at each optimizer's first step it warns where trainable parameters got no gradient while modules after "
+        "them got theirs, and where checkpointing did not run; a branch the loss leaves out is data (INFO); paste its "
+        "`hf-train-shim first-step audit` lines from your run's log here." + named
     )
 
 

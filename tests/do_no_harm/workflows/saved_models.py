@@ -3,7 +3,8 @@
 The saving side (``everyday.py``'s ``saved-models-load`` case,
 ``tests/patches/test_checkpointing_saved_models.py``) builds each object of :data:`OBJECTS` in its
 checkpointing state (Llama and ViT: enabled reentrant and not, disabled only, after trl's generation
-cycle, a deep copy, a function of the user's own) and writes it with ``torch.save`` and ``pickle``
+cycle, a deep copy, a function of the user's own, an optimizer made and its first step not taken: the
+first-step audit's hooks on it) and writes it with ``torch.save`` and ``pickle``
 (:func:`save`). The loading side is a fresh interpreter (:func:`load_in_fresh_interpreter`, or
 ``python -m tests.do_no_harm.workflows.saved_models PASSES FOLDER ...``): per pass, ``blocked`` (a
 finder first in ``sys.meta_path`` fails every import of ``shim`` and ``shim.*`` with
@@ -105,6 +106,20 @@ def deep_copied(model):
     return copy.deepcopy(model)
 
 
+_awaiting: list = []  # optimizers kept alive: the first-step audit's hooks stay on their models until a step
+
+
+def awaiting_first_step(model):
+    """An optimizer made and a training forward and backward run, no step yet: the first-step audit's
+    hooks are on the model (its submodules and layers), as in every run between those two."""
+    import torch
+
+    enable(model, {"use_reentrant": True})
+    _awaiting.append(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(**inputs_of(model)).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
 def own_function(model):
     from tests.do_no_harm.workflows.user_functions import checkpoint_layer
 
@@ -120,6 +135,7 @@ STATES = {
     "after trl's cycle": cycled,
     "deep copy": deep_copied,
     "own function": own_function,
+    "awaiting its first step": awaiting_first_step,
 }
 OBJECTS = [f"{model}, {state}" for model in MODELS for state in STATES]
 
