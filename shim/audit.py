@@ -50,7 +50,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import importhooks, settings
 
@@ -390,6 +390,36 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return functools.partial(logging.getLogger("shim").log, 0)
 
 
+def _walk(root: Any, ids: set[int]) -> tuple[list[Any], list[tuple[Any, Any, list[Any]]]]:
+    """One walk of ``root``'s modules (torch's own generators cost a first step a millisecond): its
+    checkpointing layers (the innermost modules an enable flags ``gradient_checkpointing``: a flagged
+    module that holds another, a base model, is none), and each module that owns parameters of
+    ``ids`` with the layer it is in (``None``) and those parameters."""
+    flagged: list[Any] = []
+    outer: set[int] = set()
+    owners: list[tuple[Any, Any, list[Any]]] = []
+    seen: set[int] = set()
+    stack: list[tuple[Any, Any]] = [(root, None)]
+    while stack:
+        module, layer = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if vars(module).get("gradient_checkpointing") is True:
+            if layer is not None:
+                outer.add(id(layer))
+            layer = module
+            flagged.append(module)
+        held = [p for p in module._parameters.values() if p is not None and id(p) in ids]
+        if held:
+            owners.append((module, layer, held))
+        stack += [(child, layer) for child in module._modules.values() if child is not None]
+    owners = [
+        (module, layer if layer is None or id(layer) not in outer else None, held) for module, layer, held in owners
+    ]
+    return [module for module in flagged if id(module) not in outer], owners
+
+
 class _Tracker:
     """What one module found (the model) and its submodules did from then to the first step of the
     optimizers over its parameters: which owners of watched parameters ran in training, in which
@@ -407,7 +437,7 @@ class _Tracker:
         self.watches: list[_Watch] = []  # the optimizers over it waiting for their first step
         self.hooks: list[Any] = []  # on layers and parameters, until the last watch ends
         self.owner_hooks: dict[int, Any] = {}  # per owner: off once it said what it can
-        self.owners: dict[int, tuple[int, ...]] = {}  # watched parameter -> the modules that own it
+        self.owners: dict[int, list[int]] = {}  # watched parameter -> the modules that own it
         self.order: dict[int, int] = {}  # owner -> place of its first run in training (_CLOCK)
         self.without_grad: dict[int, int] = {}  # owner -> the layer whose reentrant checkpoint ran it
         self.inputs: dict[int, tuple[bool, bool]] = {}  # layer -> (a positional, a keyword input requires grad)
@@ -424,35 +454,18 @@ class _Tracker:
         root = self.root()
         if root is None or ids <= self.owners.keys():
             return
-        flagged: list[Any] = []
-        outer: set[int] = set()
-        layer_of: dict[int, int] = {}
-        seen: set[int] = set()
-        stack: list[tuple[Any, Any]] = [(root, None)]
-        while stack:  # one walk (torch's own generators cost a first step a millisecond)
-            module, layer = stack.pop()
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            if vars(module).get("gradient_checkpointing") is True:  # set on each module by an enable
-                if layer is not None:
-                    outer.add(id(layer))  # it holds a layer: the base model, not a layer
-                layer = module
-                flagged.append(module)
-            new = [p for p in module._parameters.values() if p is not None and id(p) in ids]
-            for p in new:
+        layers, owners = _walk(root, ids)
+        for module, layer, parameters in owners:
+            for p in parameters:
                 if id(p) not in self.owners:
                     self.hooks.append(p.register_post_accumulate_grad_hook(self._graded))
-                if id(module) not in self.owners.get(id(p), ()):
-                    self.owners[id(p)] = (*self.owners.get(id(p), ()), id(module))
-            if new and id(module) not in self.owner_hooks and id(module) not in self.order:
+                self.owners.setdefault(id(p), []).append(id(module))
+            if id(module) not in self.owner_hooks and id(module) not in self.order:
                 self.owner_hooks[id(module)] = module.register_forward_pre_hook(_Hook(self._owner_runs))
                 if layer is not None:
-                    layer_of[id(module)] = id(layer)
-            stack += [(child, layer) for child in module._modules.values() if child is not None]
-        self.in_layer |= {owner for owner, layer in layer_of.items() if layer not in outer}
-        for module in flagged:
-            if id(module) not in outer and id(module) not in self.layers:
+                    self.in_layer.add(id(module))
+        for module in layers:
+            if id(module) not in self.layers:
                 self.layers.append(id(module))
                 self.hooks.append(module.register_forward_pre_hook(_Hook(self._enter_layer), with_kwargs=True))
                 self.hooks.append(module.register_forward_hook(_Hook(self._leave_layer), always_call=True))
@@ -733,42 +746,68 @@ def audited(trackers: list[_Tracker], parameters: list[Any]) -> list[tuple[Any, 
 
 def _lost_gradients(live: list[tuple[_Tracker, Any]], parameters: list[Any]) -> Iterator[tuple[Finding, Any]]:
     """The trainable ``parameters`` whose module ran in training and that never got a gradient, one
-    finding per cause: under a reentrant checkpoint (what its layer's inputs say), a module that ran
-    before others that got one (``cut``), after all of them (``dead-end``). A reentrant layer that
-    loses the graph leaves every layer after it without an input that requires grad, and every module
-    before it without a gradient: all of them are put down to the first such layer's cause."""
+    finding per cause (:func:`_causes`), with the module found where the first of them ran."""
     graded = {id(p) for p in parameters if p.grad is not None}.union(*(tracker.graded for tracker, _ in live))
-    if all(id(p) in graded for p in parameters):
+    ungraded = [p for p in parameters if id(p) not in graded]
+    if not ungraded:
         return  # the usual first step: every parameter got a gradient
-    ran: dict[int, tuple[int, str, _Tracker, Any]] = {}
-    for tracker, root in live:
-        for p in parameters:
-            seen = tracker.ran(p)
-            if seen is not None and (id(p) not in ran or seen[0] < ran[id(p)][0]):
-                ran[id(p)] = (*seen, tracker, root)
-    latest = max((ran[key][0] for key in ran if key in graded), default=-1)
-    lost = [p for p in parameters if id(p) in ran and id(p) not in graded]
+    ran = _first_runs(live, parameters)
+    lost = [p for p in ungraded if id(p) in ran]
     if not lost:
         return
-    # Only where a module after it got a gradient is it a cut: where none of the optimizer's did, the
-    # audit cannot tell a cut from a branch, and says nothing it cannot tell.
-    causes = {
-        id(p): ran[id(p)][1] if ran[id(p)][1] != "grad" else "cut" if ran[id(p)][0] < latest else "dead-end"
-        for p in lost
-    }
-    chain = sorted((ran[id(p)][0], causes[id(p)]) for p in lost if causes[id(p)] in REENTRANT)
-    for p in lost:
-        if chain and (causes[id(p)] in REENTRANT or (causes[id(p)] == "cut" and ran[id(p)][0] < chain[-1][0])):
-            causes[id(p)] = chain[0][1]
-    names, watched = _names(live, parameters)
-    losing = [(tracker, root) for tracker, root in live if any(ran[id(p)][2] is tracker for p in lost)]
+    causes = _causes(lost, ran, latest=max((ran[key].place for key in ran if key in graded), default=-1))
+    losing = [(tracker, root) for tracker, root in live if any(ran[id(p)].tracker is tracker for p in lost)]
     model = ", ".join(dict.fromkeys(tracker.name for tracker, _ in losing))
-    where = losing[0][1]
+    for finding in _by_cause(lost, causes, *_names(live, parameters), model):
+        yield finding, losing[0][1]
+
+
+def _by_cause(
+    lost: list[Any], causes: dict[int, str], names: dict[int, str], watched: tuple[str, ...], model: str
+) -> Iterator[Finding]:
     for cause in CAUSES:
-        named = sorted(((names[id(p)], p.numel()) for p in lost if causes[id(p)] == cause and id(p) in names), key=_key)
+        named = sorted(((names[id(p)], p.numel()) for p in lost if causes[id(p)] == cause), key=_key)
         if named:
             shown, sizes = tuple(n for n, _ in named), tuple(s for _, s in named)
-            yield _finding("no-gradient", model, watched, shown, sizes, cause), where
+            yield _finding("no-gradient", model, watched, shown, sizes, cause)
+
+
+class _Run(NamedTuple):
+    """Where a parameter's module first ran in training: its place, how (``"grad"``, or the cause of
+    the reentrant checkpoint that ran it without grad), and the module found that holds it."""
+
+    place: int
+    how: str
+    tracker: _Tracker
+
+
+def _first_runs(live: list[tuple[_Tracker, Any]], parameters: list[Any]) -> dict[int, _Run]:
+    ran: dict[int, _Run] = {}
+    for tracker, _ in live:
+        for p in parameters:
+            seen = tracker.ran(p)
+            if seen is not None and (id(p) not in ran or seen[0] < ran[id(p)].place):
+                ran[id(p)] = _Run(*seen, tracker)
+    return ran
+
+
+def _causes(lost: list[Any], ran: dict[int, _Run], latest: int) -> dict[int, str]:
+    """Each lost parameter's cause: under a reentrant checkpoint, what its layer's inputs say; run with
+    grad, before a module that got a gradient (``cut``) or after all of them (``dead-end``; also where
+    none of the optimizer's did: nothing then tells a cut from a branch, and the audit says nothing it
+    cannot tell). A reentrant layer that loses the graph leaves every layer after it without an input
+    that requires grad and every module before it without a gradient: all of them are put down to the
+    first such layer's cause."""
+    causes = {}
+    for p in lost:
+        run = ran[id(p)]
+        causes[id(p)] = run.how if run.how != "grad" else "cut" if run.place < latest else "dead-end"
+    chain = sorted((ran[id(p)].place, causes[id(p)]) for p in lost if causes[id(p)] in REENTRANT)
+    if chain:
+        for p in lost:
+            if causes[id(p)] in REENTRANT or (causes[id(p)] == "cut" and ran[id(p)].place < chain[-1][0]):
+                causes[id(p)] = chain[0][1]
+    return causes
 
 
 def _names(roots: list[tuple[_Tracker, Any]], parameters: list[Any]) -> tuple[dict[int, str], tuple[str, ...]]:
