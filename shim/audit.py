@@ -410,7 +410,7 @@ def _walk(root: Any, ids: set[int]) -> tuple[list[Any], list[tuple[Any, Any, lis
                 outer.add(id(layer))
             layer = module
             flagged.append(module)
-        held = [p for p in module._parameters.values() if p is not None and id(p) in ids]
+        held = [p for p in module._parameters.values() if p is not None and id(p) in ids and p.requires_grad]
         if held:
             owners.append((module, layer, held))
         stack += [(child, layer) for child in module._modules.values() if child is not None]
@@ -623,18 +623,13 @@ class _Watch:
         if not torch.is_grad_enabled():  # a layer whose __call__ a reentrant checkpoint runs, or no training
             if not (vars(module).get("gradient_checkpointing") is True and _in_reentrant_forward()):
                 return
-        for watch in list(cls.waiting):
-            if id(module) in watch.checked:
-                continue
-            watch.checked.add(id(module))
-            parameters = frozenset(id(p) for p in module.parameters())
-            held = watch.uncovered & parameters
-            if not held:
-                continue
-            tracker, new = _Tracker.of(module, parameters)
-            watch.adopt(tracker, held)
-            if new:
-                tracker.entered(module, args, _call_kwargs())
+        try:
+            for watch in list(cls.waiting):
+                watch.look_at(module, args)
+        except Exception as exc:  # the audit never breaks training
+            for watch in list(cls.waiting):
+                watch.end()
+            _failed(exc)
         cls._stop_finding()
 
     @classmethod
@@ -643,6 +638,20 @@ class _Watch:
         if not cls.waiting and cls._finder is not None:
             cls._finder.remove()
             cls._finder = None
+
+    def look_at(self, module: Any, args: Any) -> None:
+        """A training call of ``module``: where it holds watched parameters no module found holds, it
+        is found (hooks on it, and what this call of it shows, read before they were on)."""
+        if id(module) in self.checked:
+            return
+        self.checked.add(id(module))
+        parameters = frozenset(id(p) for p in module.parameters())
+        held = self.uncovered & parameters
+        if held:
+            tracker, new = _Tracker.of(module, parameters)
+            self.adopt(tracker, held)
+            if new:
+                tracker.entered(module, args, _call_kwargs())
 
     def adopt(self, tracker: _Tracker, held: set[int]) -> None:
         """``tracker``'s module holds the watched parameters ``held``: hooks on it for them."""
