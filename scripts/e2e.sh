@@ -58,7 +58,7 @@ print('e2e:', ' | '.join(filter(None, map(has, ('torch', 'deepspeed', 'liger-ker
 }
 
 first=${E2E_VENV:-.venvs/e2e}
-build_cell "$first" constraints/e2e.txt deepspeed
+build_cell "$first" constraints/e2e.txt deepspeed "ray[train]"
 build_cell .venvs/e2e-ds0.19.8 constraints/e2e-ds0.19.8.txt deepspeed
 build_cell .venvs/e2e-liger constraints/e2e-liger.txt liger-kernel triton
 [ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0
