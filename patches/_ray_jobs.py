@@ -198,10 +198,10 @@ def collect() -> None:
 def driver_connected() -> bool:
     """Whether this process is a Ray driver connected to its job (a worker is connected too, to the
     job of its driver)."""
-    ray, worker = sys.modules.get("ray"), sys.modules.get("ray._private.worker")
-    if ray is None or worker is None:
+    worker = sys.modules.get("ray._private.worker")  # ``ray`` itself may still be importing it
+    if worker is None:
         return False
-    return getattr(worker.global_worker, "mode", None) == ray.SCRIPT_MODE and ray.is_initialized()
+    return getattr(worker.global_worker, "mode", None) == worker.SCRIPT_MODE and worker.is_initialized()
 
 
 def _submitted() -> dict[str, Any]:

@@ -40,9 +40,8 @@ def job() -> str | None:
     worker = sys.modules.get("ray._private.worker")
     if not name or worker is None:
         return None
-    ray = sys.modules.get("ray")
     mode = getattr(getattr(worker, "global_worker", None), "mode", None)
-    return name if ray is not None and mode == getattr(ray, "WORKER_MODE", object()) else None
+    return name if mode == getattr(worker, "WORKER_MODE", object()) else None
 
 
 def hand_over_while_running() -> None:
