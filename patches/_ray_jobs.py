@@ -79,9 +79,9 @@ def prepared(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, dict[s
         return None
     if "://" in str(address):
         warn_once(
-            f"ray.init({address!r}) connects through Ray Client: hf-train-shim does not reach the job's "
-            "workers from there; give the job runtime_env={'worker_process_setup_hook': 'shim.activate'} "
-            "where every node has hf-train-shim installed"
+            f"ray.init({address!r}) connects through Ray Client, where hf-train-shim leaves the job as it "
+            "is: its workers run without the shim; make import shim the first line inside the functions "
+            "you ship"
         )
         return None
     given = kwargs.get("runtime_env")

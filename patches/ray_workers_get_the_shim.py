@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import sys
 
-from shim import Evidence, Patch, Target, record_effect, switch_of
+from shim import Evidence, Patch, Target, record_effect, switch_of, wrappers
 
 from . import _ray_jobs
 
@@ -75,10 +75,12 @@ def _probe_init(original) -> str | None:
 
 
 def _bug_probe() -> Evidence:
-    """Whether a job that ``ray.init`` starts gets workers that import the shim: Ray itself never
-    gives them the driver's imports (read in source), so the answer is what ``ray.init`` would be given
-    now, as the patch's part prepares it; with the patch off, nothing is prepared."""
-    if not switch_of(NAME):
+    """Whether a job that ``ray.init`` starts gets workers that import the shim. Ray never gives them
+    the driver's imports (read in source), and only a running job shows what its workers import: so the
+    answer is whether ``ray.init`` runs the patch's part now, and the runtime environment that part
+    gives a job (tests/e2e/test_ray.py runs the jobs)."""
+    on = switch_of(NAME) and any(name == NAME for name, _ in wrappers(f"{MODULE}:init"))
+    if not on:
         return Evidence(True, "ray.init gives a job's workers none of the driver's imports: they run without the shim")
     prepared = _ray_jobs.prepared((), {"runtime_env": {}})
     if prepared is None:
