@@ -17,18 +17,23 @@ of a worker that outlives its driver's collection and is killed (a detached acto
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
 from typing import Any
 
+from ..forks import fork_safe_lock
+
 #: How often a Ray worker's thread looks at its counts, handing them over when they changed.
 PERIOD = 0.2
 
-_sent: dict[str, int] = {}  # the counts the driver has, as last handed over
-_lock = threading.Lock()
+_sent: dict[str, int] = {}  # the counts the driver has, as last handed over (a fork child has none)
+_lock = fork_safe_lock()
 _running_in = 0  # the pid whose thread hands the counts over (a fork child starts over)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_sent.clear)
 
 
 def job() -> str | None:
@@ -116,6 +121,7 @@ def collected() -> list[dict[str, Any]]:
     return list(jobs.collected) if jobs is not None else []
 
 
+@functools.cache  # a process stays on its node
 def _node() -> str:
     try:
         return str(sys.modules["ray"].get_runtime_context().get_node_id())
