@@ -5,7 +5,7 @@ that imports the shim, and names the job in their environment (``shim._RAY_JOB``
 workers without an interpreter exit (a Ray Train worker is killed once its training function
 returned), so a worker cannot say its counts at its end as a ``multiprocessing`` worker does
 (``shim.tools.workers``): from its first effect on, a daemon thread hands them over while it runs,
-:data:`PERIOD` seconds after they last changed, to the job's part of Ray's internal key-value store,
+within :data:`PERIOD` seconds of each change, to the job's part of Ray's internal key-value store,
 which every node reaches (``shim.patches._ray_jobs``). The driver collects them before Ray
 disconnects it and says one line for the job (``shim.tools.report``); a worker whose counts the
 driver can no longer take (it collected already, or Ray is gone) says its own line at its exit, if
