@@ -1,8 +1,10 @@
 """A Ray Train job as a user writes it: ``import shim`` (where asked) in the driver only, a ``TorchTrainer``
 with two CPU workers, each building a 2-layer Llama with reentrant checkpointing and calling its decoder
-layers with ``hidden_states=`` by keyword (the case of ``reentrant-keyword-grads``). Each worker writes what
-it saw to ``<out>/worker-<rank>.json``: how many gradients differ from the same model's without
-checkpointing, its node, whether the shim was imported there and whether the user's own setup hook ran.
+layers with ``hidden_states=`` by keyword (the case of ``reentrant-keyword-grads``, built with
+tests/tinymodels.py and tests/steps.py: the workers have the checkout on ``PYTHONPATH``, as
+tests/e2e/launch.py sets it). Each worker writes what it saw to ``<out>/worker-<rank>.json``: how many
+gradients differ from the same model's without checkpointing, its node, whether the shim was imported
+there and whether the user's own setup hook ran.
 
     python tests/e2e/ray_job.py OUT [--shim] [--address ADDR] [--users-hook]
 
@@ -36,46 +38,19 @@ def train_func(config: dict) -> None:
     import torch
     import transformers
 
+    from tests.steps import enable_checkpointing, keyword_driven_grads, wrong_grads
+    from tests.tinymodels import tiny_llama  # the project's tiny Llama; the workers have the checkout on PYTHONPATH
+
     warnings.simplefilter("ignore")  # torch's "None of the inputs have requires_grad=True" is the bug speaking
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-        )
-    )
+    model = tiny_llama(layers=2)
     model.train()
-    input_ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-
-    def grads() -> dict:
-        """One backward with the decoder layers called by keyword, as draft models and custom stacks do."""
-        model.zero_grad(set_to_none=True)
-        inner = model.model
-        hidden = inner.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
-        position_embeddings = inner.rotary_emb(hidden, positions)
-        for layer in inner.layers:
-            out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
-            hidden = out[0] if isinstance(out, tuple) else out
-        logits = model.lm_head(inner.norm(hidden))
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
-        loss.backward()
-        return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-
-    reference = grads()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    checkpointed = grads()
-    wrong = [
-        name
-        for name, expected in reference.items()
-        if checkpointed[name] is None or not torch.allclose(checkpointed[name], expected, rtol=1e-5, atol=1e-6)
-    ]
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = keyword_driven_grads(model, input_ids)
+    enable_checkpointing(model, {"use_reentrant": True})
+    checkpointed = keyword_driven_grads(model, input_ids)
+    wrong = wrong_grads(reference, checkpointed)
     rank = ray.train.get_context().get_world_rank()
     record = {
         "rank": rank,
