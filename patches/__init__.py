@@ -99,6 +99,13 @@ INDEX = (
         "modules": ("peft.tuners.tuners_utils", "peft.peft_model"),
     },
     {
+        "name": "ray-workers-get-the-shim",
+        "module": "ray_workers_get_the_shim",
+        "distribution": "ray",
+        "requires": ">=2.60",
+        "modules": ("ray._private.worker",),
+    },
+    {
         "name": "reentrant-frozen-input-grads",
         "module": "reentrant_frozen_input_grads",
         "distribution": "transformers",

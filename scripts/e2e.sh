@@ -2,7 +2,8 @@
 # End-to-end tests (tests/e2e): DeepSpeed ZeRO-3 and DDP on two CPU ranks, real trl trainers, shim-run, each
 # run with the shim (or one patch) switched off (the bug) and on (the fix). Three environments, each built
 # with uv like .venv (scripts/_venv.sh; left as they are while their constraints and the scripts are
-# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2: every test but liger's), .venvs/e2e-ds0.19.8
+# unchanged): .venvs/e2e (constraints/e2e.txt, DeepSpeed 0.19.2 and ray[train] 2.60.0: every test but
+# liger's), .venvs/e2e-ds0.19.8
 # (constraints/e2e-ds0.19.8.txt, DeepSpeed 0.19.8 on the default stack, where DeepSpeed has its own fixes:
 # doctor's verdict on both DeepSpeed patches, ZeRO-3 LoRA training with the patches out of their gate, as
 # without checkpointing, and a build labelled 0.19.3+git decided by the probe for the fix); and
@@ -58,7 +59,7 @@ print('e2e:', ' | '.join(filter(None, map(has, ('torch', 'deepspeed', 'liger-ker
 }
 
 first=${E2E_VENV:-.venvs/e2e}
-build_cell "$first" constraints/e2e.txt deepspeed
+build_cell "$first" constraints/e2e.txt deepspeed "ray[train]"
 build_cell .venvs/e2e-ds0.19.8 constraints/e2e-ds0.19.8.txt deepspeed
 build_cell .venvs/e2e-liger constraints/e2e-liger.txt liger-kernel triton
 [ "${E2E_ONLY_SETUP:-}" = 1 ] && exit 0

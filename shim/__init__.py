@@ -141,6 +141,24 @@ def _hand_over_at_worker_end() -> None:
     Finalize(None, _report_at_exit, args=(_report is True,), exitpriority=-100)  # after it joined its own
 
 
+#: The variable that names a Ray job whose driver imported the shim, set in the job's runtime
+#: environment by ``ray-workers-get-the-shim``: a worker of it hands its counts to that driver's exit
+#: report (``shim.tools.rayjobs``), as a ``multiprocessing`` worker does to its starter's.
+_RAY_JOB = "HF_TRAIN_SHIM_RAY_JOB"
+
+
+def _hand_over_to_ray_driver() -> None:
+    """At a Ray worker's first effect: its counts go to its driver's exit report while it runs, since
+    Ray ends its workers without an interpreter exit (``shim.tools.rayjobs``)."""
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None and process.parent_process() is not None:
+        return  # a multiprocessing worker hands its counts to its starter
+    with forks.lazy_imports:
+        from .tools import rayjobs
+
+    rayjobs.hand_over_while_running()
+
+
 def report() -> str:
     """The effects table: which patches changed something in this process, how often, the last what."""
     with forks.lazy_imports:
@@ -188,6 +206,8 @@ if _report is not False:
     atexit.register(_report_at_exit, _report is True)
     importhooks.when_imported("multiprocessing.process", _workers_report_here)
     runtime.first_effect_hooks.append(_hand_over_at_worker_end)
+    if os.environ.get(_RAY_JOB):
+        runtime.first_effect_hooks.append(_hand_over_to_ray_driver)
 
 
 # The first-step audit (shim.audit): optimizers are watched from when torch.optim.optimizer is

@@ -2,8 +2,8 @@
 the matrix's cells ran, written to ``shim/measured.json``. The shim ships the file and says, in a patch's
 status reason, ``python -m shim`` and doctor, when an installed release is newer than any measured.
 
-DeepSpeed is in no cell: its releases are those the end-to-end environments pin (``constraints/e2e*.txt``),
-where doctor's DeepSpeed self-checks run (tests/e2e). The latest cell is left out: it measures whatever
+DeepSpeed and Ray are in no cell: their releases are those the end-to-end environments pin
+(``constraints/e2e*.txt``), where doctor's DeepSpeed self-checks and the Ray jobs run (tests/e2e). The latest cell is left out: it measures whatever
 was newest on the day it ran.
 """
 
@@ -18,7 +18,7 @@ from .gates import version_key
 MEASURED = ROOT / "shim" / "measured.json"
 ABOUT = (
     "The oldest and newest release of each distribution the shim was measured on: the version matrix's cells "
-    "(doctor and tests) and, for deepspeed, the end-to-end environments. Written by `python3 scripts/matrix.py "
+    "(doctor and tests) and, for deepspeed and ray, the end-to-end environments. Written by `python3 scripts/matrix.py "
     "--write-readme` from doctor-reports/; read by the shim when a status or doctor is asked for, to say when "
     "an installed release is newer than any measured. Do not edit."
 )

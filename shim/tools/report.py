@@ -11,18 +11,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import processes, ranks, workers
+from . import processes, ranks, rayjobs, workers
 from .render import Row, effects_table, idle_group
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
 
 
-def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | None = None) -> str:
+def report(
+    records: Sequence[PatchStatus],
+    handed_over: list[dict[str, Any]] | None = None,
+    ray_workers: list[dict[str, Any]] | None = None,
+) -> str:
     """The compact effects table that ``SHIM_REPORT=1`` prints at exit and ``shim.report()`` returns:
     a row per patch that changed something, by name, its last effect below it, then the other patches
     by state; :data:`WIDTH` columns wide, the ``[rank N]`` prefix included. ``handed_over``: what this
-    process's multiprocessing workers counted (``shim.tools.workers``), added in."""
+    process's multiprocessing workers counted (``shim.tools.workers``), added in; ``ray_workers``: what
+    the workers of its Ray jobs counted (``shim.tools.rayjobs``), added in too."""
     role = processes.helper(spec.partition(":")[0] for r in records for spec in r.targets)
     who = f"pid {os.getpid()}, {role}" if role else f"pid {os.getpid()}"
     effects = {r.name: r.effects for r in records}
@@ -30,6 +35,9 @@ def report(records: Sequence[PatchStatus], handed_over: list[dict[str, Any]] | N
     if handed_over:
         workers.merged(effects, last, handed_over)
         who = workers.with_workers(who, handed_over)
+    if ray_workers:
+        workers.merged(effects, last, ray_workers)
+        who = f"{who}, {ray_names(ray_workers)}"
     rows = [
         Row(r.name, effects[r.name], last[r.name], idle_group(str(r.state)), tuple(o["text"] for o in r.others))
         for r in records
@@ -65,8 +73,9 @@ def acted_line(
     return f"{prefix}{head}: {fixes}: {', '.join(each)} (SHIM_REPORT=1 for the table)"
 
 
-def rank_list(ranks: Iterable[int]) -> str:
-    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2`` (runs of three or more as a span)."""
+def rank_list(ranks: Iterable[int], noun: str = "rank") -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2`` (runs of two or more as a span); ``noun``: what is
+    numbered (``ray worker``)."""
     numbers = sorted(set(ranks))
     spans: list[str] = []
     start = 0
@@ -79,7 +88,27 @@ def rank_list(ranks: Iterable[int]) -> str:
         else:
             spans.append(str(numbers[start]))
         start = end + 1
-    return f"{'rank' if len(numbers) == 1 else 'ranks'} {', '.join(spans)}"
+    return f"{noun if len(numbers) == 1 else noun + 's'} {', '.join(spans)}"
+
+
+def ray_names(records: Sequence[dict[str, Any]]) -> str:
+    """The Ray workers of ``records``: by their Ray Train ranks (``ray workers 0-1``) where each has
+    one, else counted (``3 ray workers``)."""
+    numbers = [record["rank"] for record in records]
+    if all(isinstance(number, int) for number in numbers):
+        return rank_list(numbers, "ray worker")
+    return f"{len(records)} ray worker{'' if len(records) == 1 else 's'}"
+
+
+def ray_places(own: Mapping[str, int], records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Where each fix acted, for the driver's line, where that is not every Ray worker of the job:
+    ``driver``, ``ray worker 1``, ``driver, ray workers 0-1``."""
+    places = {}
+    for name in {*own, *(name for record in records for name in record["effects"])}:
+        acted = [record for record in records if record["effects"].get(name)]
+        if own.get(name) or len(acted) < len(records):
+            places[name] = ", ".join((["driver"] if own.get(name) else []) + ([ray_names(acted)] if acted else []))
+    return places
 
 
 # -- at exit ---------------------------------------------------------------------------------------
@@ -126,17 +155,25 @@ def _at_exit(shim: ModuleType, table: bool) -> str:
             return ""
         who = f"pid {os.getpid()}, multiprocessing worker, finished after the report of pid {workers.pid_of(starter)}"
         return acted_line(effects, who, _prefix())
+    if rayjobs.job() is not None:  # a Ray worker: its driver says its counts, or it says what it could not get
+        return acted_line(rayjobs.at_exit(), rayjobs.who())
     handed_over = workers.collect()
     workers.merged(effects, last, handed_over)
+    ray_workers = rayjobs.collected()
+    own = {name: count for name, count in effects.items() if count}
+    workers.merged(effects, last, ray_workers)
     role = processes.helper(module for name in names for module in shim.registry.declared(name).modules)
     found = ranks.job() if role is None else None
     if found is None:  # one process: the script, a helper, or a rank started alone
         if role is not None and not any(effects.values()):
             return ""  # a helper (launcher, worker) in which nothing changed
         if table:
-            return report(shim.status(), handed_over)
+            return report(shim.status(), handed_over, ray_workers)
         who = workers.with_workers(f"pid {os.getpid()}, {role}" if role else "", handed_over)
-        return acted_line(effects, who, _prefix())
+        if not ray_workers:
+            return acted_line(effects, who, _prefix())
+        who = f"{who}, {ray_names(ray_workers)}" if who else ray_names(ray_workers)
+        return acted_line(effects, who, _prefix(), ray_places(own, ray_workers))
     mine: dict[str, object] = {
         "pid": os.getpid(),
         "effects": {name: count for name, count in effects.items() if count},
