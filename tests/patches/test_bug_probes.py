@@ -191,3 +191,54 @@ def test_asking_every_probe_leaves_no_trace():
     for name in INSTALLED:
         answers = probes[name]
         assert answers and all(answer["present"] is not None for answer in answers), (name, answers)
+
+
+AMBIENT = """
+import json
+import torch
+{setting}
+import shim
+from shim.tools.targets import import_targets
+import_targets(shim.registry, list(shim.registry.names))  # every probe asked in the targets' import
+print(json.dumps(dict(
+    answers={{s.name: [[a["library"], a["present"], a["error"]] for a in s.probe or ()] for s in shim.status()}},
+    states={{s.name: str(s.state) for s in shim.status()}},
+    ambient=[str(torch.get_default_dtype()), torch.empty(0).device.type, torch.are_deterministic_algorithms_enabled(),
+             torch.is_anomaly_enabled()],
+)))
+"""
+
+#: What a script may set before its imports (big-model scripts set a bf16 default dtype), and what it reads after.
+SETTINGS = {
+    "nothing": ("", ["torch.float32", "cpu", False, False]),
+    "bf16 default dtype": ("torch.set_default_dtype(torch.bfloat16)", ["torch.bfloat16", "cpu", False, False]),
+    "fp16 default dtype": ("torch.set_default_dtype(torch.float16)", ["torch.float16", "cpu", False, False]),
+    "meta default device": ('torch.set_default_device("meta")', ["torch.float32", "meta", False, False]),
+    "deterministic algorithms": ("torch.use_deterministic_algorithms(True)", ["torch.float32", "cpu", True, False]),
+    "anomaly mode": ("torch.autograd.set_detect_anomaly(True)", ["torch.float32", "cpu", False, True]),
+}
+
+
+def probed_under(setting: str) -> dict:
+    """Every probe asked in a fresh interpreter whose script set ``setting`` first, in strict mode:
+    a probe that fails there is a ``PatchError`` (and the interpreter's exit status 1)."""
+    code = AMBIENT.format(setting=SETTINGS[setting][0])
+    done = run_python(code, env={"SHIM_PROBE": "always", "SHIM_STRICT": "1"}, torch_first=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def probed_plainly():
+    return probed_under("nothing")
+
+
+@pytest.mark.parametrize("setting", [name for name in SETTINGS if name != "nothing"])
+def test_every_probe_answers_as_in_a_plain_interpreter_whatever_the_script_set_first(setting, probed_plainly):
+    """The probes build their cases in float32 on the CPU, with deterministic algorithms and anomaly
+    detection off, whatever the script set before its imports; the script has its settings back."""
+    out = probed_under(setting)
+    assert out["answers"] == probed_plainly["answers"]
+    assert out["states"] == probed_plainly["states"]
+    assert not [name for name, answers in out["answers"].items() if any(error for _, _, error in answers)]
+    assert out["ambient"] == SETTINGS[setting][1]
+    assert probed_plainly["ambient"] == SETTINGS["nothing"][1]
