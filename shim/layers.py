@@ -207,10 +207,11 @@ def _written_in(obj: object, package: str) -> bool:
     function the standard library made around another (``contextlib.contextmanager``'s, as trl's
     ``disable_gradient_checkpointing`` is) counts as the one it wraps."""
     function = getattr(obj, "__func__", obj)
-    name = _module_of(function) if callable(function) else None
-    while name in sys.stdlib_module_names and callable(getattr(function, "__wrapped__", None)):
-        function = getattr(function, "__wrapped__")
-        name = _module_of(function)
+    name = _module_of(function)
+    inner = getattr(function, "__wrapped__", None)
+    while name in sys.stdlib_module_names and callable(inner):
+        function, name = inner, _module_of(inner)
+        inner = getattr(function, "__wrapped__", None)
     if name is None:
         name = getattr(obj if isinstance(obj, type) else type(obj), "__module__", None)
     return isinstance(name, str) and name.partition(".")[0] == package

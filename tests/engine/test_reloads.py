@@ -179,7 +179,9 @@ def test_a_reload_of_trls_peft_s_or_accelerates_target_module_gets_the_layer_aga
     "failed", and each fix acts in the reloaded module (its probe finds the bug with the patch off,
     none with it on). peft-adapter-trainability is forced, so that peft's classes hold its parts."""
     env = {"SHIM_FORCE": "peft-adapter-trainability"}
-    out = json.loads(run_python(OTHER_LIBRARIES, env=env, timeout=240, torch_first=True).stdout.strip().splitlines()[-1])
+    out = json.loads(
+        run_python(OTHER_LIBRARIES, env=env, timeout=240, torch_first=True).stdout.strip().splitlines()[-1]
+    )
     assert {module.partition(".")[0] for module in out["modules"]} == {"trl", "peft", "accelerate"}
     assert out["after"] == out["before"]
     with_parts = {spec for spec, parts in out["after"]["parts"].items() if parts}
