@@ -22,7 +22,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from .. import __version__
 from ..gating import installed_version
@@ -105,7 +105,7 @@ def stderr_with(hide: Callable[[str], str]) -> Iterator[None]:
         category: type[Warning],
         filename: str,
         lineno: int,
-        file: IO[str] | None = None,
+        file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
         shown(hide(str(message)), category, hide(filename), lineno, file, line)
