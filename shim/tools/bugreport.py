@@ -165,6 +165,8 @@ def _write(registry: Registry, write: Callable[[str], None]) -> None:
     write(
         f"<details><summary>python -m shim</summary>\n\n```text\n{status_table(records, True, seen)}\n```\n</details>"
     )
+    for message in registry.left_out:  # a pack's patch refused at import shim has no row
+        write(f"\nnote: {message}")
     applying = [record.name for record in records if seen[record.name].kind == APPLIES]
     write("\n### doctor, for the patches that apply\n")
     if applying:
