@@ -90,7 +90,6 @@ def _traceless() -> Iterator[None]:
             stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.device("cpu"))
-            stack.enter_context(torch.autograd.set_detect_anomaly(False))
             stack.enter_context(_torch_defaults(torch))
         try:
             yield
@@ -102,18 +101,29 @@ def _traceless() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _torch_defaults(torch: Any) -> Iterator[None]:
-    """float32 as the default dtype and deterministic algorithms off inside, as the caller had them
-    after. Both are the process's, not the thread's (as the warnings filters are): another thread
-    that builds a tensor during a probe gets float32 too."""
+    """float32 as the default dtype, deterministic algorithms and anomaly detection off inside, as the
+    caller had them after; each changed only where the caller changed it. All three are the
+    process's, not the thread's (as the warnings filters are): another thread that builds a tensor
+    during a probe gets float32 too."""
     dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.set_default_dtype(torch.float32)
-    torch.use_deterministic_algorithms(False)
+    anomaly = torch.is_anomaly_enabled()
+    check_nan = torch.is_anomaly_check_nan_enabled()
+    if dtype is not torch.float32:
+        torch.set_default_dtype(torch.float32)
+    if deterministic:
+        # Not torch.use_deterministic_algorithms: it imports inductor's config (800 modules) and sets it.
+        torch._C._set_deterministic_algorithms(False)
+    if anomaly:
+        torch.set_anomaly_enabled(False)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        if anomaly:
+            torch.set_anomaly_enabled(True, check_nan)
+        if deterministic:
+            torch._C._set_deterministic_algorithms(True, warn_only=warn_only)
         torch.set_default_dtype(dtype)
 
 
