@@ -276,7 +276,12 @@ def _bug_probe() -> Evidence:
     with the model enabled before the Trainer and the arguments silent. The bug is there when DDP gets
     ``find_unused_parameters=True`` without a static graph in one of them (a fix that reads only the
     arguments leaves the patch the model enabled beforehand)."""
-    failing = [how for how in ("asked for by the arguments", "enabled before the Trainer") if _fails(how)]
+    from ._checkpointing_calls import enable
+
+    inner = bare.model()
+    enable(inner, {"use_reentrant": True})
+    model = model_wrapper_class()(inner)
+    failing = [how for how in ("asked for by the arguments", "enabled before the Trainer") if _fails(model, how)]
     if failing:
         return Evidence(
             True,
@@ -290,15 +295,11 @@ def _bug_probe() -> Evidence:
     )
 
 
-def _fails(how: str) -> bool:
-    """Whether the decision for the probe's wrapped model fails under reentrant checkpointing (``how``:
-    which of the two ways the model checkpoints)."""
-    from ._checkpointing_calls import enable
-
+def _fails(model, how: str) -> bool:
+    """Whether the decision for ``model`` (wrapped, its layers checkpointing reentrantly) fails under
+    reentrant checkpointing, the arguments asking for that checkpointing or silent (``how``)."""
     trainer_module = sys.modules["transformers.trainer"]
     distributed = sys.modules["accelerate.utils"].DistributedType
-    inner = bare.model()
-    enable(inner, {"use_reentrant": True})
     asked = how == "asked for by the arguments"
     checkpointing = dict(
         gradient_checkpointing=asked, gradient_checkpointing_kwargs={"use_reentrant": True} if asked else None
@@ -312,7 +313,7 @@ def _fails(how: str) -> bool:
         gradient_accumulation_steps=1,
     )
     accelerator = bare.StandIn(unwrap_model=lambda model, **kwargs: model, ddp_handler=None)
-    trainer = bare.StandIn(model=model_wrapper_class()(inner), args=arguments, accelerator=accelerator)
+    trainer = bare.StandIn(model=model, args=arguments, accelerator=accelerator)
     if hasattr(trainer_module.Trainer, "_build_accelerator_args") and "kwargs_handlers" in (
         built := trainer_module.Trainer._build_accelerator_args(trainer)
     ):

@@ -72,7 +72,7 @@ def _bug_probe() -> Evidence:
     from ._checkpointing_calls import disable, enable
 
     model = bare.model()
-    model.tower = bare.model(layers=0)
+    model.tower = bare.model(layers=0, cls=type(model))
     enable(model, {"use_reentrant": False})
     disable(model)
     enable(model, {"use_reentrant": False})

@@ -77,7 +77,7 @@ def _changes_checkpointing(module_name: str) -> Evidence:
     prepare = getattr(sys.modules.get(module_name), "prepare_model_for_kbit_training", None)
     if prepare is None:  # trl before 0.28 has no copy of it
         return Evidence(False, f"there is no {module_name}.prepare_model_for_kbit_training")
-    model = bare.model(layers=4)
+    model = bare.model()
     _name, configure = method(model, ENABLE)
     configured = {"use_reentrant": False, "preserve_rng_state": False}
     if "every_n_layers" in inspect.signature(configure).parameters:

@@ -96,9 +96,9 @@ def _bug_probe() -> Evidence:
     by keyword (``hidden_states=``, as decoder layers are called): the bug is there when its trainable
     weight gets no gradient in one of the two calls (a fix for one way leaves the patch the other)."""
     torch = bare.torch_module()
-    cls, lost = bare.layer_class(), []
+    layer, lost = bare.checkpointing_layer(bare.reentrant_checkpoint()), []
     for how, call in (("positional", lambda layer, x: layer(x)), ("keyword", lambda layer, x: layer(hidden_states=x))):
-        layer = bare.checkpointing_layer(bare.reentrant_checkpoint(), cls)
+        layer.linear.weight.grad = None
         output = call(layer, torch.ones(1, 2))
         if output.requires_grad:
             output.sum().backward()

@@ -115,7 +115,7 @@ def _bug_probe() -> Evidence:
     weight, gets no gradient in one of the calls: a fix that lifts ``hidden_states=`` alone, or
     top-level tensors only, leaves the patch the calls it still breaks."""
     torch = bare.torch_module()
-    cls = bare.layer_class()
+    layer = bare.checkpointing_layer(bare.reentrant_checkpoint())
     calls = (
         ("hidden_states=", lambda tensor: {"hidden_states": tensor}),
         ("context=", lambda tensor: {"hidden_states": torch.ones(1, 2), "context": tensor}),
@@ -123,7 +123,7 @@ def _bug_probe() -> Evidence:
     )
     lost = []
     for name, keywords in calls:
-        layer = bare.checkpointing_layer(bare.reentrant_checkpoint(), cls)
+        layer.linear.weight.grad = None
         tensor = torch.ones(1, 2, requires_grad=True)
         output = layer(**keywords(tensor))
         if output.requires_grad:
