@@ -107,19 +107,33 @@ def _supported_parameters(function) -> frozenset:
 
 
 def _bug_probe() -> Evidence:
-    """A bare model enabled with ``every_n_layers`` and ``selective`` inside the checkpointing kwargs:
-    the bug is there when either reaches the layers' checkpoint partial."""
+    """A bare model of two layers enabled with ``every_n_layers`` (2 where the enable takes it),
+    ``offload`` (where it takes it) and ``selective`` inside the checkpointing kwargs: the bug is there
+    when one of them reaches the layers' checkpoint partial, or ``every_n_layers`` is not what checkpoints
+    (a fix that drops the keys without passing them on, or drops transformers' own keys and not trl's
+    ``selective``, leaves the patch the rest)."""
     from ._checkpointing_calls import enable
 
     model = bare.model()
-    enable(model, {"use_reentrant": True, "every_n_layers": 1, "selective": False})
-    leaked = sorted(
-        {key for _, _, keywords in bare.checkpointing(model) for key in keywords or () if key in _NOT_FOR_CHECKPOINT}
-    )
-    if leaked:
-        return Evidence(True, f"{' and '.join(leaked)} in the checkpointing kwargs reach torch.utils.checkpoint")
+    cls = type(model)
+    takes = _supported_parameters(getattr(cls, "_activation_checkpointing_enable", cls.gradient_checkpointing_enable))
+    every = 2 if "every_n_layers" in takes else 1
+    configured = {"use_reentrant": True, "every_n_layers": every, "selective": False}
+    if "offload" in takes:
+        configured["offload"] = False
+    enable(model, configured)
+    layers = bare.checkpointing(model.layers)
+    leaked = sorted({key for _, _, keywords in layers for key in keywords or () if key in _NOT_FOR_CHECKPOINT})
+    flags = [flag for flag, _, _ in layers]
+    said = [f"{' and '.join(leaked)} in the checkpointing kwargs reach torch.utils.checkpoint"] if leaked else []
+    if flags != [index % every == 0 for index in range(len(flags))]:
+        said.append(f"every_n_layers={every} in the checkpointing kwargs checkpoints the layers {flags}")
+    if said:
+        return Evidence(True, "; ".join(said))
     return Evidence(
-        False, "every_n_layers and selective in the checkpointing kwargs stay out of the checkpoint partial"
+        False,
+        f"{', '.join(sorted(configured.keys() - {'use_reentrant'}))} in the checkpointing kwargs stay out of the "
+        f"checkpoint partial, every_n_layers={every} acting as the parameter",
     )
 
 

@@ -141,23 +141,25 @@ def _probe(original) -> str | None:
 
 def _bug_probe() -> Evidence:
     """Arguments (made without ``__init__``: no output folder, no device set up) holding both names of
-    each pair as one, then ``gradient_checkpointing = True`` assigned: the bug is there when
-    ``activation_checkpointing`` does not follow."""
+    each pair as one, then each of the four names assigned after construction: the bug is there when
+    its partner does not follow (a fix for the flag alone leaves the patch the kwargs)."""
     arguments_class = sys.modules["transformers.training_args"].TrainingArguments
     if _probe(arguments_class) is not None:
         return Evidence(False, "TrainingArguments has one name per checkpointing setting: no alias to lose")
-    arguments = arguments_class.__new__(arguments_class)
+    apart = []
     for old, new in PAIRS:
-        object.__setattr__(arguments, new, None)
-        object.__setattr__(arguments, old, None)
-    arguments.gradient_checkpointing = True
-    if arguments.activation_checkpointing is not True:
-        return Evidence(
-            True, "gradient_checkpointing = True assigned after construction leaves activation_checkpointing unset"
-        )
-    return Evidence(
-        False, "gradient_checkpointing = True assigned after construction sets activation_checkpointing too"
-    )
+        value = True if old == "gradient_checkpointing" else {"use_reentrant": True}
+        for name in (old, new):
+            arguments = arguments_class.__new__(arguments_class)
+            for pair in PAIRS:
+                object.__setattr__(arguments, pair[0], None)
+                object.__setattr__(arguments, pair[1], None)
+            setattr(arguments, name, value)
+            if getattr(arguments, _PARTNER[name]) != value:
+                apart.append(name)
+    if apart:
+        return Evidence(True, f"{', '.join(apart)} assigned after construction leave(s) the other name unset")
+    return Evidence(False, "each checkpointing name assigned after construction sets its partner too")
 
 
 PATCH = Patch(

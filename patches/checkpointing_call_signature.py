@@ -172,8 +172,10 @@ class _Reached(Exception):
 
 
 def _trl_bug_probe() -> Evidence:
-    """trl's ``disable_gradient_checkpointing`` around a model whose enable is keyword-only: the bug is
-    there when the re-enable raises ``TypeError``."""
+    """trl's ``disable_gradient_checkpointing`` around a model whose enable is keyword-only (with a
+    configuration) and around one whose enable takes no argument (with none): the bug is there when
+    a re-enable raises ``TypeError`` (a fix that passes the configuration by keyword still breaks the
+    second)."""
 
     class KeywordOnlyEnable:
         is_gradient_checkpointing = True
@@ -184,16 +186,24 @@ def _trl_bug_probe() -> Evidence:
         def gradient_checkpointing_enable(self, *, gradient_checkpointing_kwargs=None):
             pass
 
+    class NoArgumentEnable(KeywordOnlyEnable):
+        def gradient_checkpointing_enable(self):
+            pass
+
     context = getattr(sys.modules["trl.models.utils"], "disable_gradient_checkpointing", None)
     if context is None:
         return Evidence(False, "trl has no disable_gradient_checkpointing to re-enable through")
-    try:
-        with context(KeywordOnlyEnable(), {"use_reentrant": False}):
-            pass
-    except TypeError as exc:
-        return Evidence(True, f"disable_gradient_checkpointing re-enables a keyword-only enable with: TypeError: {exc}")
+    raised = []
+    for model, configuration in ((KeywordOnlyEnable(), {"use_reentrant": False}), (NoArgumentEnable(), None)):
+        try:
+            with context(model, configuration):
+                pass
+        except TypeError as exc:
+            raised.append(f"TypeError: {exc}")
+    if raised:
+        return Evidence(True, f"disable_gradient_checkpointing re-enables with: {'; '.join(raised)}")
     return Evidence(
-        False, "disable_gradient_checkpointing re-enables a keyword-only enable as it takes its configuration"
+        False, "disable_gradient_checkpointing re-enables a keyword-only enable and one that takes no argument"
     )
 
 

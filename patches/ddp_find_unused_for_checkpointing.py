@@ -272,15 +272,38 @@ def model_wrapper_class():
 def _bug_probe() -> Evidence:
     """The Trainer's DDP decision (``_build_accelerator_args`` from 5.3, ``_wrap_model`` before) taken on
     a stand-in Trainer of two CPU processes, for a model that is no ``PreTrainedModel`` around a bare one
-    whose layers checkpoint reentrantly: the bug is there when DDP gets ``find_unused_parameters=True``
-    without a static graph."""
+    whose layers checkpoint reentrantly: once with the arguments asking for that checkpointing, once
+    with the model enabled before the Trainer and the arguments silent. The bug is there when DDP gets
+    ``find_unused_parameters=True`` without a static graph in one of them (a fix that reads only the
+    arguments leaves the patch the model enabled beforehand)."""
     from ._checkpointing_calls import enable
 
-    trainer_module = sys.modules["transformers.trainer"]
-    distributed = sys.modules["accelerate.utils"].DistributedType
     inner = bare.model()
     enable(inner, {"use_reentrant": True})
-    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    model = model_wrapper_class()(inner)
+    failing = [how for how in ("asked for by the arguments", "enabled before the Trainer") if _fails(model, how)]
+    if failing:
+        return Evidence(
+            True,
+            "the Trainer hands DDP find_unused_parameters=True without a static graph for a wrapped model whose "
+            f"layers checkpoint reentrantly ({' and '.join(failing)})",
+        )
+    return Evidence(
+        False,
+        "the Trainer hands DDP find_unused_parameters=False or a static graph for a wrapped model whose layers "
+        "checkpoint reentrantly, whether the arguments ask for it or the model was enabled before",
+    )
+
+
+def _fails(model, how: str) -> bool:
+    """Whether the decision for ``model`` (wrapped, its layers checkpointing reentrantly) fails under
+    reentrant checkpointing, the arguments asking for that checkpointing or silent (``how``)."""
+    trainer_module = sys.modules["transformers.trainer"]
+    distributed = sys.modules["accelerate.utils"].DistributedType
+    asked = how == "asked for by the arguments"
+    checkpointing = dict(
+        gradient_checkpointing=asked, gradient_checkpointing_kwargs={"use_reentrant": True} if asked else None
+    )
     checkpointing |= {name.replace("gradient_", "activation_"): value for name, value in checkpointing.items()}
     arguments = bare.StandIn(
         **checkpointing,
@@ -290,7 +313,7 @@ def _bug_probe() -> Evidence:
         gradient_accumulation_steps=1,
     )
     accelerator = bare.StandIn(unwrap_model=lambda model, **kwargs: model, ddp_handler=None)
-    trainer = bare.StandIn(model=model_wrapper_class()(inner), args=arguments, accelerator=accelerator)
+    trainer = bare.StandIn(model=model, args=arguments, accelerator=accelerator)
     if hasattr(trainer_module.Trainer, "_build_accelerator_args") and "kwargs_handlers" in (
         built := trainer_module.Trainer._build_accelerator_args(trainer)
     ):
@@ -300,13 +323,7 @@ def _bug_probe() -> Evidence:
         handler = accelerator.ddp_handler
     decision = {"find_unused_parameters": bool(handler.find_unused_parameters)}
     decision["static_graph"] = bool(getattr(handler, "static_graph", False))
-    if fails_under_reentrant_checkpointing(decision):
-        return Evidence(
-            True,
-            "the Trainer hands DDP find_unused_parameters=True without a static graph for a wrapped model whose "
-            "layers checkpoint reentrantly",
-        )
-    return Evidence(False, f"the Trainer hands DDP {decision} for a wrapped model whose layers checkpoint reentrantly")
+    return fails_under_reentrant_checkpointing(decision)
 
 
 PATCH = Patch(

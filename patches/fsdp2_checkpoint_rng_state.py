@@ -90,8 +90,10 @@ def _probe(original) -> str | None:
 
 def _bug_probe() -> Evidence:
     """accelerate's ``fsdp2_apply_ac`` on a stack of one block, through a stand-in accelerator whose
-    FSDP2 plugin wraps that block class (one process, no process group): the bug is there when the
-    checkpoint wrapper it builds is told not to preserve the RNG state."""
+    FSDP2 plugin wraps that block class (one process, no process group), with activation offload off
+    and on (accelerate 1.15 puts an offload wrapper around the checkpoint): the bug is there when a
+    checkpoint wrapper it builds is told not to preserve the RNG state (a fix on one of the two paths
+    leaves the patch the other)."""
     apply = getattr(sys.modules["accelerate.utils.fsdp_utils"], "fsdp2_apply_ac", None)
     if apply is None:
         return Evidence(False, "accelerate has no fsdp2_apply_ac: FSDP2 layers checkpoint with torch's default")
@@ -110,19 +112,27 @@ def _bug_probe() -> Evidence:
             self.blocks = torch.nn.ModuleList([Block()])
 
     policy = sys.modules[AUTO_WRAP].transformer_auto_wrap_policy
-    plugin = bare.StandIn(auto_wrap_policy=policy, transformer_cls_names_to_wrap=["Block"])
-    model = apply(bare.StandIn(state=bare.StandIn(fsdp_plugin=plugin)), Stack())
     wrapper_class = sys.modules[WRAPPERS].CheckpointWrapper
-    kept = [
-        getattr(m.checkpoint_fn, "keywords", {}).get("preserve_rng_state")
-        for m in model.modules()
-        if isinstance(m, wrapper_class)
-    ]
-    if not kept:
-        raise RuntimeError("fsdp2_apply_ac wrapped no block of the stand-in")
-    if False in kept:
-        return Evidence(True, "fsdp2_apply_ac wraps layers to checkpoint with preserve_rng_state=False")
-    return Evidence(False, "fsdp2_apply_ac wraps layers to checkpoint with the RNG state preserved")
+    dropped = []
+    for offload in (False, True):
+        plugin = bare.StandIn(
+            auto_wrap_policy=policy, transformer_cls_names_to_wrap=["Block"], activation_checkpointing_offload=offload
+        )
+        model = apply(bare.StandIn(state=bare.StandIn(fsdp_plugin=plugin)), Stack())
+        kept = [
+            getattr(m.checkpoint_fn, "keywords", {}).get("preserve_rng_state")
+            for m in model.modules()
+            if isinstance(m, wrapper_class)
+        ]
+        if not kept:
+            raise RuntimeError("fsdp2_apply_ac wrapped no block of the stand-in")
+        if False in kept:
+            dropped.append("with activation offload" if offload else "without activation offload")
+    if dropped:
+        return Evidence(
+            True, f"fsdp2_apply_ac wraps layers to checkpoint with preserve_rng_state=False ({' and '.join(dropped)})"
+        )
+    return Evidence(False, "fsdp2_apply_ac wraps layers to checkpoint with the RNG state preserved, offloaded or not")
 
 
 PATCH = Patch(

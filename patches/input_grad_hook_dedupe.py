@@ -65,18 +65,29 @@ def input_hook_count(model) -> int:
 
 
 def _bug_probe() -> Evidence:
-    """A bare model with input embeddings, checkpointing enabled, disabled and enabled again: the bug
-    is there when the embeddings then hold more than one hook."""
+    """A bare model with input embeddings, holding a trainable bare sub-model with embeddings of its own
+    (a VLM's tower), checkpointing enabled, disabled and enabled again: the bug is there when either
+    embeddings then hold more than one hook (a fix that removes the model's first hook alone leaves
+    the patch the sub-model's)."""
     from ._checkpointing_calls import disable, enable
 
     model = bare.model()
+    model.tower = bare.model(layers=0, cls=type(model))
     enable(model, {"use_reentrant": False})
     disable(model)
     enable(model, {"use_reentrant": False})
-    hooks = input_hook_count(model)
-    if hooks > 1:
-        return Evidence(True, f"a disable/enable cycle leaves {hooks} input-require-grads hooks on the embeddings")
-    return Evidence(False, f"a disable/enable cycle leaves {hooks} input-require-grads hook(s) on the embeddings")
+    hooks = [input_hook_count(model), input_hook_count(model.tower)]
+    if max(hooks) > 1:
+        return Evidence(
+            True,
+            f"a disable/enable cycle leaves {hooks[0]} and {hooks[1]} input-require-grads hooks on the model's "
+            "and its sub-model's embeddings",
+        )
+    return Evidence(
+        False,
+        f"a disable/enable cycle leaves {hooks[0]} and {hooks[1]} input-require-grads hook(s) on "
+        "the model's and its sub-model's embeddings",
+    )
 
 
 PATCH = Patch(

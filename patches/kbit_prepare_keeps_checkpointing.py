@@ -67,19 +67,33 @@ PEFT_COPY, TRL_COPY = "peft.utils.other", "trl.experimental.utils"
 
 def _changes_checkpointing(module_name: str) -> Evidence:
     """``prepare_model_for_kbit_training`` of ``module_name`` on a bare model flagged as loaded in 4 bits
-    whose checkpointing is configured: the bug is there when the layers' checkpointing changes."""
+    whose checkpointing is configured (its kwargs, and every second layer where the enable takes
+    ``every_n_layers``): the bug is there when the layers' checkpointing changes (a fix that keeps the
+    kwargs and loses the pattern leaves the patch the pattern)."""
+    import inspect
+
+    from ._checkpointing_calls import ENABLE, method
+
     prepare = getattr(sys.modules.get(module_name), "prepare_model_for_kbit_training", None)
     if prepare is None:  # trl before 0.28 has no copy of it
         return Evidence(False, f"there is no {module_name}.prepare_model_for_kbit_training")
     model = bare.model()
-    enable(model, {"use_reentrant": False, "preserve_rng_state": False})
+    _name, configure = method(model, ENABLE)
+    configured = {"use_reentrant": False, "preserve_rng_state": False}
+    if "every_n_layers" in inspect.signature(configure).parameters:
+        configure(configured, every_n_layers=2)
+    else:
+        enable(model, configured)
     model.is_loaded_in_4bit = True
     before = bare.checkpointing(model)
     prepare(model)
     after = bare.checkpointing(model)
     if after != before:
+        flags = "".join("T" if flag else "F" for flag, _, _ in after)
         return Evidence(
-            True, f"{module_name}.prepare_model_for_kbit_training re-enables checkpointing with {after[-1][2]}"
+            True,
+            f"{module_name}.prepare_model_for_kbit_training re-enables checkpointing with {after[-1][2]} and "
+            f"flags {flags} where the model had {configured} and {''.join('T' if flag else 'F' for flag, _, _ in before)}",
         )
     return Evidence(False, f"{module_name}.prepare_model_for_kbit_training keeps the checkpointing a model has")
 

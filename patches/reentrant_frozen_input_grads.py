@@ -92,18 +92,28 @@ STEP = Step(applies=is_reentrant, act=_anchor)
 
 
 def _bug_probe() -> Evidence:
-    """One reentrantly checkpointed layer called with an input that requires no grad: the bug is there
-    when its trainable weight gets no gradient."""
+    """A reentrantly checkpointed layer called with an input that requires no grad, positionally and
+    by keyword (``hidden_states=``, as decoder layers are called): the bug is there when its trainable
+    weight gets no gradient in one of the two calls (a fix for one way leaves the patch the other)."""
     torch = bare.torch_module()
-    layer = bare.checkpointing_layer(bare.reentrant_checkpoint())
-    output = layer(torch.ones(1, 2))
-    if output.requires_grad:
-        output.sum().backward()
-    if layer.linear.weight.grad is None:
+    layer, lost = bare.checkpointing_layer(bare.reentrant_checkpoint()), []
+    for how, call in (("positional", lambda layer, x: layer(x)), ("keyword", lambda layer, x: layer(hidden_states=x))):
+        layer.linear.weight.grad = None
+        output = call(layer, torch.ones(1, 2))
+        if output.requires_grad:
+            output.sum().backward()
+        if layer.linear.weight.grad is None:
+            lost.append(how)
+    if lost:
         return Evidence(
-            True, "a reentrant layer whose input requires no grad leaves its trainable weight without a gradient"
+            True,
+            f"a reentrant layer given an input that requires no grad ({' and '.join(lost)}) leaves its trainable "
+            "weight without a gradient",
         )
-    return Evidence(False, "a reentrant layer whose input requires no grad gives its trainable weight a gradient")
+    return Evidence(
+        False,
+        "a reentrant layer given an input that requires no grad (positional or keyword) gives its weight a gradient",
+    )
 
 
 PATCH = Patch(

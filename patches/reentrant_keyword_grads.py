@@ -108,24 +108,38 @@ STEP = Step(applies=is_reentrant, act=_lift)
 
 
 def _bug_probe() -> Evidence:
-    """One reentrantly checkpointed layer called with its hidden states by keyword: the bug is there
-    when they or the layer's weight get no gradient."""
+    """One reentrantly checkpointed layer called three times, each time with one grad-requiring tensor,
+    by keyword, beside hidden states that require none: the hidden states themselves
+    (``hidden_states=``), another tensor (``context=``, as a cross-attention layer gets its encoder's
+    output) and one in a tuple in a dict (``extra=``). The bug is there when that tensor, or the layer's
+    weight, gets no gradient in one of the calls: a fix that lifts ``hidden_states=`` alone, or
+    top-level tensors only, leaves the patch the calls it still breaks."""
     torch = bare.torch_module()
     layer = bare.checkpointing_layer(bare.reentrant_checkpoint())
-    hidden = torch.ones(1, 2, requires_grad=True)
-    output = layer(hidden_states=hidden)
-    if output.requires_grad:
-        output.sum().backward()
-    lost = [
-        name
-        for name, tensor in (("the keyword input", hidden), ("the weight", layer.linear.weight))
-        if tensor.grad is None
-    ]
+    calls = (
+        ("hidden_states=", lambda tensor: {"hidden_states": tensor}),
+        ("context=", lambda tensor: {"hidden_states": torch.ones(1, 2), "context": tensor}),
+        ("a tensor nested in extra=", lambda tensor: {"hidden_states": torch.ones(1, 2), "extra": {"pair": (tensor,)}}),
+    )
+    lost = []
+    for name, keywords in calls:
+        layer.linear.weight.grad = None
+        tensor = torch.ones(1, 2, requires_grad=True)
+        output = layer(**keywords(tensor))
+        if output.requires_grad:
+            output.sum().backward()
+        if tensor.grad is None or layer.linear.weight.grad is None:
+            lost.append(name)
     if lost:
         return Evidence(
-            True, f"a reentrant layer called with hidden_states= leaves {' and '.join(lost)} without a gradient"
+            True,
+            f"a reentrant layer given its only grad-requiring tensor as {', '.join(lost)} leaves it or the weight "
+            "without a gradient",
         )
-    return Evidence(False, "a reentrant layer called with hidden_states= gives it and the weight their gradients")
+    return Evidence(
+        False,
+        "a reentrant layer gives a grad-requiring tensor it gets by keyword (also nested) and the weight a gradient",
+    )
 
 
 PATCH = Patch(

@@ -245,21 +245,38 @@ def _probe(layer_class) -> str | None:
 def _bug_probe() -> Evidence:
     """A layer class whose ``forward`` is replaced after it was made (by a function calling the one it
     had), then a layer of it given a checkpoint function: the bug is there when a training call does
-    not checkpoint."""
+    not checkpoint, or the replacement runs outside the checkpoint (a fix that checkpoints only the
+    forward the replacement calls leaves the replacement's own work out of it)."""
     torch = bare.torch_module()
     cls = bare.layer_class()
     before = cls.forward
-    cls.forward = lambda self, *args, **kwargs: before(self, *args, **kwargs)
+    depth, ran_inside = [0], []
+
+    def replacement(self, *args, **kwargs):
+        ran_inside.append(depth[0] > 0)
+        return before(self, *args, **kwargs)
+
+    cls.forward = replacement
     calls = []
 
     def counting(function, *args, **kwargs):
         calls.append(function)
-        return function(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     bare.checkpointing_layer(counting, cls)(torch.ones(1, 2, requires_grad=True))
     if not calls:
         return Evidence(True, "a layer class whose forward was replaced after it was made no longer checkpoints")
-    return Evidence(False, "a layer class whose forward was replaced after it was made still checkpoints")
+    if not all(ran_inside):
+        return Evidence(
+            True, "a layer class whose forward was replaced after it was made checkpoints without the replacement"
+        )
+    return Evidence(
+        False, "a layer class whose forward was replaced after it was made checkpoints, replacement included"
+    )
 
 
 PATCH = Patch(

@@ -203,11 +203,22 @@ def upstream_again(layer: Layer) -> bool:
 
 def _written_in(obj: object, package: str) -> bool:
     """Whether the code of ``obj`` (a function, a method, a class) was written in ``package``: a
-    function by its globals (which ``functools.wraps`` does not copy), a class by its module."""
+    function by its globals (which ``functools.wraps`` does not copy), a class by its module. A
+    function the standard library made around another (``contextlib.contextmanager``'s, as trl's
+    ``disable_gradient_checkpointing`` is) counts as the one it wraps."""
     function = getattr(obj, "__func__", obj)
-    globals_ = getattr(function, "__globals__", None)
-    if isinstance(globals_, dict):
-        name = globals_.get("__name__")
-    else:
+    name = _module_of(function)
+    inner = getattr(function, "__wrapped__", None)
+    while name in sys.stdlib_module_names and callable(inner):
+        function, name = inner, _module_of(inner)
+        inner = getattr(function, "__wrapped__", None)
+    if name is None:
         name = getattr(obj if isinstance(obj, type) else type(obj), "__module__", None)
     return isinstance(name, str) and name.partition(".")[0] == package
+
+
+def _module_of(function: object) -> str | None:
+    """The name of the module whose globals ``function`` runs in, or ``None`` (no function)."""
+    globals_ = getattr(function, "__globals__", None)
+    name = globals_.get("__name__") if isinstance(globals_, dict) else None
+    return name if isinstance(name, str) else None

@@ -24,7 +24,10 @@ Laziness, as for the built-ins: ``import shim`` reads the pack's metadata and im
 and decides there, for every pack at once, its name and its place in the one order (``shim.order``):
 a pack refused there (a name it cannot have, no record, an ``after=`` cycle, an ``after=`` against
 its place) is left out with one ``ShimWarning`` and its module never imported. A patch switched off
-(``SHIM_DISABLE=all`` or by name) never has its module imported.
+(``SHIM_DISABLE=all`` or by name) never has its module imported. Off is off: with ``SHIM_DISABLE=all``
+nothing left out is warned about at ``import shim`` (nor raised under ``SHIM_STRICT``); the registry
+keeps what was left out (``Registry.left_out``), which ``python -m shim`` and doctor say below their
+tables whether the shim is on or off.
 
 Discovery lists each ``sys.path`` entry and reads, of each distribution there, its
 ``entry_points.txt`` as bytes, looking for the group's name: most distributions declare no pack, and
@@ -284,12 +287,25 @@ def _named_in(folder_name: str) -> tuple[str, str]:
 # -- handing them to the registry ------------------------------------------------------------------
 
 
+_said: list[str] | None = None  # while load() runs: its registry's record of what was left out
+
+
 def load(registry: Registry, paths: Iterable[str] | None = None) -> None:
     """Register with ``registry`` the record of each installed pack's patch, in the one order decided
     over all of them (``shim.order.settle``), none of their modules imported (the registry imports
     one when it needs it: ``shim.catalogue.Listing.load``). A record refused here (a name it cannot
     have, no target modules listed, an ``after=`` cycle or one against its place) is left out with
-    one ``ShimWarning``; with ``SHIM_STRICT=1`` it raises :class:`shim.PatchError`."""
+    one ``ShimWarning``; with ``SHIM_STRICT=1`` it raises :class:`shim.PatchError`; with
+    ``SHIM_DISABLE=all`` neither. Each is kept in ``registry.left_out``, as it was said."""
+    global _said
+    _said = registry.left_out
+    try:
+        _load(registry, paths)
+    finally:
+        _said = None
+
+
+def _load(registry: Registry, paths: Iterable[str] | None) -> None:
     records = found(paths)
     if not records:  # the usual case: nothing else is imported
         return
@@ -350,7 +366,12 @@ def _left_out_distribution(folder: str, problem: str) -> None:
 
 
 def _say(message: str) -> None:
-    """One ``ShimWarning``; under ``SHIM_STRICT`` a ``PatchError`` instead."""
+    """One ``ShimWarning``; under ``SHIM_STRICT`` a ``PatchError`` instead; nothing where
+    ``SHIM_DISABLE=all`` switches the shim off. Kept for the registry being loaded, either way."""
+    if _said is not None and message not in _said:
+        _said.append(message)
+    if settings.all_disabled():
+        return
     if settings.flag("SHIM_STRICT"):
         raise settings.PatchError(f"{message} (SHIM_STRICT=1)")
     settings.warn_once(message)

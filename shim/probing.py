@@ -5,9 +5,10 @@ a release newer than any measured, ``SHIM_PROBE``); what its answer decides, the
 (``shim.entry``: the bug found, the patch applies; not found, it steps aside in that library). Here:
 one probe asked, once, the patch's own parts off (it is asked before they are placed, or inside
 ``shim.disabled(name)``), so that it leaves no trace (:func:`_traceless`): torch's CPU random state,
-Python's and NumPy's are put back, gradients are on and the default device is the CPU whatever the
-caller's mode, warnings are not shown, and effects the shim's other patches record inside it are not
-counted. An exception is an answer too: the probe failed, and the release decides.
+Python's and NumPy's are put back; gradients are on, the default device is the CPU and the default
+dtype float32, deterministic algorithms and anomaly detection are off, whatever the caller set;
+warnings are not shown, and effects the shim's other patches record inside it are not counted. An
+exception is an answer too: the probe failed, and the release decides.
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ def ask(probe: BugProbe, library: str, why: str) -> Answer:
 
 @contextlib.contextmanager
 def _traceless() -> Iterator[None]:
-    """What a probe may change is put back or kept to itself: the random states of torch's CPU
-    generator, Python's and NumPy's (if imported), the grad and inference modes and the default device
-    (gradients on, the CPU, whatever the caller's), the warnings it raises, and the effects the shim's
-    other patches record inside it. CUDA is never touched: a probe works on the CPU."""
+    """What a probe may change is put back or kept to itself, and what the caller set does not reach
+    it: the random states of torch's CPU generator, Python's and NumPy's (if imported); the grad and
+    inference modes, the default device and dtype, deterministic algorithms and anomaly detection
+    (gradients on, the CPU, float32, both off, whatever the caller's: a script that sets a bf16
+    default dtype before importing transformers gets the probes' answers of one that does not); the
+    warnings it raises, and the effects the shim's other patches record inside it. CUDA is never
+    touched: a probe works on the CPU."""
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     python_state = random.getstate()
@@ -86,12 +90,41 @@ def _traceless() -> Iterator[None]:
             stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.device("cpu"))
+            stack.enter_context(_torch_defaults(torch))
         try:
             yield
         finally:
             random.setstate(python_state)
             if numpy is not None:
                 numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _torch_defaults(torch: Any) -> Iterator[None]:
+    """float32 as the default dtype, deterministic algorithms and anomaly detection off inside, as the
+    caller had them after; each changed only where the caller changed it. All three are the
+    process's, not the thread's (as the warnings filters are): another thread that builds a tensor
+    during a probe gets float32 too."""
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    anomaly = torch.is_anomaly_enabled()
+    check_nan = torch.is_anomaly_check_nan_enabled()
+    if dtype is not torch.float32:
+        torch.set_default_dtype(torch.float32)
+    if deterministic:
+        # Not torch.use_deterministic_algorithms: it imports inductor's config (800 modules) and sets it.
+        torch._C._set_deterministic_algorithms(False)
+    if anomaly:
+        torch.set_anomaly_enabled(False)
+    try:
+        yield
+    finally:
+        if anomaly:
+            torch.set_anomaly_enabled(True, check_nan)
+        if deterministic:
+            torch._C._set_deterministic_algorithms(True, warn_only=warn_only)
+        torch.set_default_dtype(dtype)
 
 
 _IGNORE_ALL = ("ignore", None, Warning, None, 0)

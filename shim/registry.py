@@ -36,6 +36,9 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._hooks: dict[tuple[str, str], importhooks.Hook] = {}  # (patch, module or "reload:" + module) -> hook
         self._active = False
+        #: What ``shim.packs`` left out before registering (a patch pack's patch refused at ``import
+        #: shim``, a distribution whose metadata cannot be read), each as it was said.
+        self.left_out: list[str] = []
         # In the one order (shim.order): a patch given before one it is declared after goes after it.
         for patch in order.arrange(patches):
             self.register(patch)

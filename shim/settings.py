@@ -197,6 +197,12 @@ def _names(
     return everything, frozenset(found)
 
 
+def all_disabled() -> bool:
+    """Whether ``SHIM_DISABLE`` switches every patch off (``all``, alone or in a list), read as
+    :func:`read` reads it but without a warning: the shim is off, and says nothing."""
+    return any(part.strip().lower() in ALL for part in os.environ.get("SHIM_DISABLE", "").split(","))
+
+
 def flag(variable: str) -> bool:
     """A boolean variable; unset, or a value that is neither true nor false (which warns), reads as off."""
     return switch(variable) is True

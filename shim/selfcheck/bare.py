@@ -37,7 +37,9 @@ def linear(width: int = 2) -> Any:
 
 def layer_class() -> type:
     """A ``GradientCheckpointingLayer`` holding one ``Linear``, whose ``forward`` takes the hidden
-    states positionally or by keyword and returns the linear map of them (plus ``extra`` where given)."""
+    states positionally or by keyword and returns the linear map of them plus every tensor its other
+    arguments hold, by keyword too and nested in tuples, lists and dicts (each one then gets a
+    gradient, as a layer's keyword inputs do)."""
     base = sys.modules[MODELING_LAYERS].GradientCheckpointingLayer
 
     class ProbeLayer(base):  # type: ignore[misc, valid-type]
@@ -45,11 +47,24 @@ def layer_class() -> type:
             super().__init__()
             self.linear = linear()
 
-        def forward(self, hidden_states: Any = None, extra: Any = None, **kwargs: Any) -> Any:
+        def forward(self, hidden_states: Any = None, *others: Any, **kwargs: Any) -> Any:
             out = self.linear(hidden_states)
-            return out if extra is None else out + extra
+            for tensor in tensors_in((others, kwargs)):
+                out = out + tensor
+            return out
 
     return ProbeLayer
+
+
+def tensors_in(value: Any) -> list[Any]:
+    """The tensors ``value`` holds, itself one or in tuples, lists and dicts, in order."""
+    if isinstance(value, torch_module().Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in tensors_in(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in tensors_in(item)]
+    return []
 
 
 def layer() -> Any:

@@ -8,17 +8,21 @@ It is made to be pasted in a public issue, so it names no user and no private fo
 in a folder of ``sys.path`` (site-packages, ``PYTHONPATH``) is shown as its module name, a path under
 the current folder as ``./...`` and one under the home folder as ``~/...``; a ``SHIM_*`` value is
 shown only where it is a patch list or a switch (escaped as every message of the shim escapes it),
-any other as ``<set>``.
+any other as ``<set>``. The same path rules apply to what it prints on stderr meanwhile: the
+``shim`` logger's lines (``SHIM_LOG_LEVEL=INFO`` names another patcher's file) and the warnings shown.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import platform
 import re
 import sys
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TextIO
 
 from .. import __version__
 from ..gating import installed_version
@@ -85,6 +89,37 @@ def without_private_paths(text: str, home: str, cwd: str, search_path: Iterable[
     return text
 
 
+@contextlib.contextmanager
+def stderr_with(hide: Callable[[str], str]) -> Iterator[None]:
+    """Inside the block, the ``shim`` logger's records and the warnings shown pass through ``hide``
+    first (what a report prints on stderr names no user's folder either)."""
+    logger = logging.getLogger("shim")
+    shown = warnings.showwarning
+
+    def hidden(record: logging.LogRecord) -> bool:
+        record.msg, record.args = hide(record.getMessage()), None
+        return True
+
+    def showwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        shown(hide(str(message)), category, hide(filename), lineno, file, line)
+
+    logger.addFilter(hidden)
+    warnings.showwarning = showwarning
+    try:
+        yield
+    finally:
+        logger.removeFilter(hidden)
+        if warnings.showwarning is showwarning:
+            warnings.showwarning = shown
+
+
 def first_step_audit() -> str:
     """The audit's state here, and what it named in this process (a run's own lines are in its log)."""
     from .. import audit
@@ -102,14 +137,22 @@ def first_step_audit() -> str:
 
 def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
     """The report, through ``write_out`` (a piece at a time: doctor's rows as its checks finish),
-    naming no user's folder (:func:`without_private_paths`)."""
-    from . import doctor
-
+    naming no user's folder (:func:`without_private_paths`), on stderr meanwhile neither."""
     home, cwd = os.path.expanduser("~"), os.getcwd()
     search_path = list(sys.path)
 
+    def hide(text: str) -> str:
+        return without_private_paths(text, home, cwd, search_path)
+
     def write(text: str) -> None:
-        write_out(without_private_paths(text, home, cwd, search_path))
+        write_out(hide(text))
+
+    with stderr_with(hide):
+        _write(registry, write)
+
+
+def _write(registry: Registry, write: Callable[[str], None]) -> None:
+    from . import doctor
 
     python = f"{platform.python_version()} ({platform.python_implementation()}, {platform.platform()})"
     rows = [("hf-train-shim", __version__), ("Python", python)]
@@ -122,6 +165,8 @@ def write_report(registry: Registry, write_out: Callable[[str], None]) -> None:
     write(
         f"<details><summary>python -m shim</summary>\n\n```text\n{status_table(records, True, seen)}\n```\n</details>"
     )
+    for message in registry.left_out:  # a pack's patch refused at import shim has no row
+        write(f"\nnote: {message}")
     applying = [record.name for record in records if seen[record.name].kind == APPLIES]
     write("\n### doctor, for the patches that apply\n")
     if applying:

@@ -141,7 +141,7 @@ def _status(args: argparse.Namespace, shim: ModuleType) -> int:
 
     seen = outlooks(records, shim.registry)
     print("\n".join([*fitted(summary(records, seen), args.wide), "", status_table(records, args.wide, seen)]))
-    for note in newer_than_measured():
+    for note in [*newer_than_measured(), *(f"note: {message}" for message in shim.registry.left_out)]:
         print("\n" + "\n".join(fitted(note, args.wide)))
     return 0
 
@@ -183,7 +183,8 @@ def _doctor(args: argparse.Namespace, shim: ModuleType) -> int:
     quiet_transformers()
     if args.json:
         findings = doctor.run(shim.registry, names)
-        for note in doctor.notes(doctor.concerned(shim.registry, [f.name for f in findings])):
+        concerned = doctor.concerned(shim.registry, [f.name for f in findings])
+        for note in [*doctor.notes(concerned), *doctor.left_out(shim.registry, names)]:
             print("\n" + "\n".join(fitted(f"note: {note}")), file=sys.stderr)  # stdout stays the records
     else:
         findings = doctor.print_table(shim.registry, names, args.wide, lambda text: print(text, flush=True))

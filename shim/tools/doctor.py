@@ -257,6 +257,12 @@ def notes(about: Collection[str] | None = None) -> list[str]:
     return newer_notes(about) + ([note] if note else [])
 
 
+def left_out(registry: Registry, names: Sequence[str] = ()) -> list[str]:
+    """The patch packs' patches ``registry`` left out at ``import shim`` (they have no row), as they
+    were said, where doctor checks every patch (no ``names``)."""
+    return [] if names else list(registry.left_out)
+
+
 #: doctor's columns; ``bug upstream`` and ``bug with shim`` hold yes, no or -.
 COLUMNS = ["patch", "installed", "state", "bug upstream", "bug with shim", "verdict"]
 
@@ -284,6 +290,6 @@ def print_table(registry: Registry, names: Sequence[str], wide: bool, write: Cal
     for finding in findings:
         for detail in below_table(finding):
             write("\n" + "\n".join(fitted(detail, wide)))
-    for note in notes(concerned(registry, chosen)):
+    for note in [*notes(concerned(registry, chosen)), *left_out(registry, names)]:
         write("\n" + "\n".join(fitted(f"note: {note}")))
     return findings

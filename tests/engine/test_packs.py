@@ -437,10 +437,10 @@ def test_a_pack_that_exits_at_import_never_ends_the_command(tmp_path):
 def test_a_pack_with_latin_1_metadata_never_breaks_the_import(tmp_path):
     name = write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, metadata=LATIN_1.replace(b"{name}", b"tpack-latin"))
     code = f"import {name}.target as t; print(t.one())"
-    for env in ({}, {"SHIM_DISABLE": "all"}):
+    for env, said in (({}, 1), ({"SHIM_DISABLE": "all"}, 0)):  # switched off, the shim says nothing
         result = import_shim(tmp_path, "import shim\n" + code, **env)
         assert (result.returncode, result.stdout) == (0, "1\n"), result.stderr
-        assert result.stderr.count("its METADATA is not UTF-8") == 1
+        assert result.stderr.count("its METADATA is not UTF-8") == said
     result = import_shim(tmp_path, code)  # without the shim
     assert (result.returncode, result.stdout, result.stderr) == (0, "1\n", "")
 
@@ -484,8 +484,12 @@ def test_a_pack_text_reaches_the_terminal_escaped_and_the_json_as_it_is(tmp_path
 
 
 def test_the_tools_report_a_broken_pack_and_never_crash_on_it(tmp_path):
+    """A pack that fails at its module's import (a status row), and one refused at ``import shim``
+    (no row: a note below the status table and in the report)."""
     entry_points, source, problem = BROKEN["exits at import"]
     write_pack(tmp_path, entry_points, source=source)
+    refused, refusal = CLAIMS["not a name"]
+    write_pack(tmp_path, refused)
     env = clean_environment({"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
     commands = {"status": 0, "doctor exits-at-import": 1, "explain exits-at-import": 0, "bug-report": 0}
     for command, code in commands.items():
@@ -494,6 +498,8 @@ def test_the_tools_report_a_broken_pack_and_never_crash_on_it(tmp_path):
         )
         assert done.returncode == code and "Traceback" not in done.stderr, (command, done.stderr)
         assert problem in " ".join(done.stdout.split()), command
+        if command in ("status", "bug-report"):
+            assert "note: patch pack tpack" in done.stdout and refusal in " ".join(done.stdout.split()), command
 
 
 # -- the one order, decided at import shim over every pack's record ----------------------------------
@@ -617,3 +623,49 @@ print(json.dumps({{"state": states.get("double-one"), "one": first_call,
     result = import_shim(tmp_path, code)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"state": "applied", "one": 2, "warnings": []}
+
+
+# -- off is off: SHIM_DISABLE=all says nothing of a pack left out; status and doctor say it ---------
+
+LEFT_OUT = """
+import json
+import shim
+{name}.target.one()
+print(json.dumps(shim.registry.left_out))
+"""
+
+
+def test_switched_off_the_shim_says_nothing_of_the_packs_it_left_out_and_status_still_does(tmp_path):
+    """Two packs whose after= declarations form a cycle, and one whose METADATA is not UTF-8: with the
+    shim on, one warning each at ``import shim``; with ``SHIM_DISABLE=all`` nothing at import or
+    exit, not even under ``-W error`` or ``SHIM_STRICT=1`` (a third party's broken pack must not break
+    a run with everything off); ``python -m shim`` says each below its table either way."""
+    first = write_pack(
+        tmp_path, {"aaa-fix": "{n}.fixes:PATCH"}, name=f"a_first{next(_counter)}", order=["aaa-fix.after.zzz-fix"]
+    )
+    write_pack(tmp_path, {"zzz-fix": "{n}.fixes:PATCH"}, name=f"z_second{next(_counter)}", order=["zzz-fix.after.aaa-fix"],
+               target=f"{first}.target")  # fmt: skip
+    write_pack(tmp_path, {"double-one": "{n}.fixes:PATCH"}, metadata=LATIN_1.replace(b"{name}", b"tpack-latin"))
+    env = clean_environment({"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    code = LEFT_OUT.format(name=f"import {first}.target;{first}")
+
+    def run(*options, **switches):
+        argv = [sys.executable, *options, "-c", code]
+        return subprocess.run(argv, capture_output=True, text=True, env=env | switches, cwd=ROOT, timeout=120)
+
+    on = run()
+    assert on.returncode == 0, on.stderr
+    left_out = json.loads(on.stdout)
+    assert len(left_out) == 3 and sum("form a cycle" in message for message in left_out) == 2, left_out
+    assert [on.stderr.count(message) for message in left_out] == [1, 1, 1], on.stderr
+    for switches in ({"SHIM_DISABLE": "all"}, {"SHIM_DISABLE": "all", "SHIM_STRICT": "1"}):
+        for options in ((), ("-W", "error")):
+            off = run(*options, **switches)
+            assert (off.returncode, off.stderr) == (0, ""), (switches, options, off.stderr)
+            assert json.loads(off.stdout) == left_out, "kept for status and doctor"
+    for switches in ({}, {"SHIM_DISABLE": "all"}):
+        status = subprocess.run(
+            [sys.executable, "-m", "shim", "--wide"], capture_output=True, text=True, env=env | switches, timeout=120
+        )
+        assert status.returncode == 0, status.stderr
+        assert all(f"note: {message}" in status.stdout for message in left_out), status.stdout

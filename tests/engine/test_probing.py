@@ -317,6 +317,48 @@ def test_a_probe_sees_the_cpu_with_gradients_on_and_leaves_the_random_states_as_
     assert shown == [] and runtime.count("another-patch") == effects
 
 
+def test_a_probe_builds_in_float32_without_deterministic_algorithms_or_anomaly_mode_and_leaves_them_as_set():
+    """A script that sets a bf16 default dtype, deterministic algorithms or anomaly detection before its
+    imports: the probe sees none of them (a tensor it builds is float32, as the bare models' weights
+    are), and the script has them back after it."""
+    import torch
+
+    seen = {}
+
+    def ask():
+        seen.update(
+            dtype=torch.ones(1).dtype,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            anomaly=torch.is_anomaly_enabled(),
+        )
+        torch.set_default_dtype(torch.float64)  # a probe's own change does not outlive it either
+        return Evidence(True, "seen")
+
+    def ambient():
+        return (
+            torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.is_anomaly_enabled(),
+            torch.is_anomaly_check_nan_enabled(),
+        )
+
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with torch.autograd.set_detect_anomaly(True, check_nan=False):
+            before = ambient()
+            answer = probing.ask(BugProbe(ask), "demo", "a test")
+            after = ambient()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(default_dtype)
+    assert answer.evidence == Evidence(True, "seen")
+    assert seen == {"dtype": torch.float32, "deterministic": False, "anomaly": False}
+    assert after == before == (torch.bfloat16, True, True, True, False)
+
+
 SHOWN_ONCE = """
 import warnings
 import torch  # imported first: a library's import may change the filters itself

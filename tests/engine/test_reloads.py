@@ -3,7 +3,8 @@ the shim's layer again with every part that was in it, the classes of models bui
 theirs, and a status never says "failed" for the shim's own target reloaded. Each case runs in a fresh
 interpreter with the shim on, off (``SHIM_DISABLE=all``) and without it, and trains a tiny 2-layer
 Llama whose layers get their hidden states by keyword, under reentrant checkpointing: with the fix,
-its gradients equal those of a run without checkpointing; without it, they do not."""
+its gradients equal those of a run without checkpointing; without it, they do not. trl's, peft's and
+accelerate's target modules come back whole too."""
 
 import json
 
@@ -131,3 +132,70 @@ def test_a_frozen_tower_stays_out_of_backward_in_a_model_built_after_a_reload(mo
     applies = shim.status()[shim.registry.names.index("frozen-tower-input-grads")].state == "applied"
     fixed = mode == "on" and applies
     assert out == {"bug before the reload": not fixed, "bug after": not fixed}
+
+
+OTHER_LIBRARIES = """
+import importlib, json, sys
+import torch
+import shim
+from shim.tools import doctor
+from shim.tools.targets import import_targets, quiet_transformers
+quiet_transformers()
+names = list(shim.registry.names)
+import_targets(shim.registry, names)
+modules = sorted({module for name in names for module in shim.registry.declared(name).modules
+                  if module in sys.modules and not module.startswith("transformers")})
+
+
+def seen():
+    targets = [t for name in names for t in shim.registry.patch(name).targets if t.module in modules]
+    return {"states": {s.name: [str(s.state), s.reason] for s in shim.status()},
+            "parts": {t.spec: [name for name, _layer in shim.wrappers(t.spec)] for t in targets}}
+
+
+def bugs():  # each probe of a library outside transformers, with its patch off and on
+    found = {}
+    for name in names:
+        if shim.status()[names.index(name)].state != "applied":
+            continue
+        with shim.disabled(name):
+            off = {a.library: a.present for a in doctor.ask(shim.registry.patch(name)) if a.library != "transformers"}
+        on = {a.library: a.present for a in doctor.ask(shim.registry.patch(name)) if a.library != "transformers"}
+        found |= {f"{name} ({library})": [off[library], on[library]] for library in off}
+    return found
+
+
+before, bugs_before = seen(), bugs()
+for module in modules:
+    importlib.reload(sys.modules[module])
+print(json.dumps({"modules": modules, "before": before, "after": seen(), "bugs before": bugs_before,
+                  "bugs after": bugs()}))
+"""
+
+
+def test_a_reload_of_trls_peft_s_or_accelerates_target_module_gets_the_layer_again():
+    """trl's, peft's and accelerate's target modules reloaded (trl's functions are contextlib's
+    generator-context wrappers around trl's code): every patch keeps its state and its parts, none
+    "failed", and each fix acts in the reloaded module (its probe finds the bug with the patch off,
+    none with it on). peft-adapter-trainability is forced, so that peft's classes hold its parts."""
+    env = {"SHIM_FORCE": "peft-adapter-trainability"}
+    out = json.loads(
+        run_python(OTHER_LIBRARIES, env=env, timeout=240, torch_first=True).stdout.strip().splitlines()[-1]
+    )
+    assert {module.partition(".")[0] for module in out["modules"]} == {"trl", "peft", "accelerate"}
+    assert out["after"] == out["before"]
+    with_parts = {spec for spec, parts in out["after"]["parts"].items() if parts}
+    assert with_parts >= {
+        "trl.models.utils:disable_gradient_checkpointing", "trl.models.utils:_unwrap_model_for_generation",
+        "peft.tuners.tuners_utils:BaseTuner.inject_adapter", "peft.peft_model:PeftModel.load_adapter",
+        "peft.utils.other:prepare_model_for_kbit_training", "accelerate.utils.fsdp_utils:fsdp2_apply_ac",
+    }, out["after"]["parts"]  # fmt: skip
+    # peft 0.21 carries that fix: a reload of peft.tuners.tuners_utils alone, without the shim, loses it
+    # (peft's tuners keep the old BaseTuner), with the forced backport as without it.
+    forced = "peft-adapter-trainability (peft)"
+    assert out["bugs before"].pop(forced) == [False, False]
+    out["bugs after"].pop(forced)
+    assert out["bugs after"] == out["bugs before"]
+    assert {"checkpointing-call-signature (trl)", "trl-restore-on-error (trl)", "fsdp2-checkpoint-rng-state (accelerate)",
+            "kbit-prepare-keeps-checkpointing (peft)"} <= set(out["bugs after"])  # fmt: skip
+    assert all(found == [True, False] for found in out["bugs after"].values()), out["bugs after"]

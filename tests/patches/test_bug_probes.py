@@ -1,9 +1,11 @@
 """Every built-in patch's bug probe (``Patch.bug_probe``) on the real libraries: it finds the bug where
 the gate admits the installed releases and not with the patch on; on a build between releases
 (``tests/devbuild.py``: the libraries say a dev version) the stock code gets every patch it needs,
-and a copy with its fix edited in makes each patch step aside, its library alone, with the same
-training outcome with the shim on, off and without it; and asking every probe leaves no trace.
-peft's and DeepSpeed's own fixes are their releases' (peft 0.21 here; tests/e2e for DeepSpeed)."""
+a copy with its fix edited in makes each patch step aside, its library alone, with the same
+training outcome with the shim on, off and without it, and a copy with a partial fix keeps the patch
+for what is still broken; asking every probe leaves no trace, and answers the same whatever default
+dtype, default device, deterministic or anomaly mode the script set first. peft's and DeepSpeed's own
+fixes are their releases' (peft 0.21 here; tests/e2e for DeepSpeed)."""
 
 import json
 
@@ -12,7 +14,7 @@ import pytest
 import shim
 from shim import gating
 from tests.conftest import run_python
-from tests.devbuild import DEV_VERSIONS, FIXES
+from tests.devbuild import DEV_VERSIONS, FIXES, PARTIAL
 from tests.probes import bug_found
 
 INSTALLED = [name for name in shim.registry.names if gating.installed_version(shim.registry.patch(name).distribution)]
@@ -191,3 +193,106 @@ def test_asking_every_probe_leaves_no_trace():
     for name in INSTALLED:
         answers = probes[name]
         assert answers and all(answer["present"] is not None for answer in answers), (name, answers)
+
+
+AMBIENT = """
+import json
+import torch
+{setting}
+import shim
+from shim.tools.targets import import_targets
+import_targets(shim.registry, list(shim.registry.names))  # every probe asked in the targets' import
+print(json.dumps(dict(
+    answers={{s.name: [[a["library"], a["present"], a["error"]] for a in s.probe or ()] for s in shim.status()}},
+    states={{s.name: str(s.state) for s in shim.status()}},
+    ambient=[str(torch.get_default_dtype()), torch.empty(0).device.type, torch.are_deterministic_algorithms_enabled(),
+             torch.is_anomaly_enabled()],
+)))
+"""
+
+#: What a script may set before its imports (big-model scripts set a bf16 default dtype), and what it reads after.
+SETTINGS = {
+    "nothing": ("", ["torch.float32", "cpu", False, False]),
+    "bf16 default dtype": ("torch.set_default_dtype(torch.bfloat16)", ["torch.bfloat16", "cpu", False, False]),
+    "fp16 default dtype": ("torch.set_default_dtype(torch.float16)", ["torch.float16", "cpu", False, False]),
+    "meta default device": ('torch.set_default_device("meta")', ["torch.float32", "meta", False, False]),
+    "deterministic algorithms": ("torch.use_deterministic_algorithms(True)", ["torch.float32", "cpu", True, False]),
+    "anomaly mode": ("torch.autograd.set_detect_anomaly(True)", ["torch.float32", "cpu", False, True]),
+}
+
+
+def probed_under(setting: str) -> dict:
+    """Every probe asked in a fresh interpreter whose script set ``setting`` first, in strict mode:
+    a probe that fails there is a ``PatchError`` (and the interpreter's exit status 1)."""
+    code = AMBIENT.format(setting=SETTINGS[setting][0])
+    done = run_python(code, env={"SHIM_PROBE": "always", "SHIM_STRICT": "1"}, torch_first=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def probed_plainly():
+    return probed_under("nothing")
+
+
+@pytest.mark.parametrize("setting", [name for name in SETTINGS if name != "nothing"])
+def test_every_probe_answers_as_in_a_plain_interpreter_whatever_the_script_set_first(setting, probed_plainly):
+    """The probes build their cases in float32 on the CPU, with deterministic algorithms and anomaly
+    detection off, whatever the script set before its imports; the script has its settings back."""
+    out = probed_under(setting)
+    assert out["answers"] == probed_plainly["answers"]
+    assert out["states"] == probed_plainly["states"]
+    assert not [name for name, answers in out["answers"].items() if any(error for _, _, error in answers)]
+    assert out["ambient"] == SETTINGS[setting][1]
+    assert probed_plainly["ambient"] == SETTINGS["nothing"][1]
+
+
+PARTIAL_STATUS = """
+import json
+from tests import devbuild
+devbuild.install(devbuild.DEV_VERSIONS, fixes={fixes!r})
+import shim
+from shim.tools import doctor
+from shim.tools.targets import import_targets, quiet_transformers
+quiet_transformers()
+names = list(shim.registry.names)
+import_targets(shim.registry, names)
+out = {{}}
+for fix in {fixes!r}:
+    name = devbuild.PARTIAL[fix][0]
+    status = shim.status()[names.index(name)]
+    with shim.disabled(name):
+        off = {{a.library: a.present for a in doctor.ask(shim.registry.patch(name))}}
+    on = {{a.library: a.present for a in doctor.ask(shim.registry.patch(name))}}
+    out[fix] = dict(state=str(status.state), decided_by=status.decided_by, reason=status.reason, off=off, on=on)
+print(json.dumps(out))
+"""
+
+#: Partial fixes that edit the same copy of upstream's code two ways: each in an interpreter of its own.
+APART = ("keyword-grads:top-level",)
+
+
+@pytest.fixture(scope="module")
+def partial_builds():
+    """Each partial fix's patch on a dev build carrying it: two fresh interpreters, the partial fixes
+    that do not touch the same code together."""
+    together = [fix for fix in PARTIAL if fix not in APART]
+    found = {}
+    for fixes in (together, *([fix] for fix in APART)):
+        done = run_python(PARTIAL_STATUS.format(fixes=fixes), torch_first=True)
+        found |= json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+@pytest.mark.parametrize("fix", list(PARTIAL))
+def test_on_a_dev_build_with_a_partial_fix_the_patch_stays_for_what_is_still_broken(fix, partial_builds):
+    """A build that fixes some of the cases a patch fixes (``tests/devbuild.py``'s ``PARTIAL``:
+    transformers lifting ``hidden_states=`` alone into the reentrant checkpoint's inputs, and so on):
+    the probe finds the rest, the patch applies there, decided by its probe, and with it on the probe
+    finds no bug left."""
+    name, pairs = PARTIAL[fix]
+    library = pairs[0][0].partition(".")[0]
+    found = partial_builds[fix]
+    assert (found["state"], found["decided_by"]) == ("applied", "probe"), found["reason"]
+    assert f"{library} {DEV_VERSIONS[library]} has the bug" in found["reason"], found["reason"]
+    assert "steps aside" not in found["reason"], found["reason"]
+    assert found["off"][library] is True and not any(found["on"].values()), found

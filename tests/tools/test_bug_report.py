@@ -95,6 +95,30 @@ def test_paths_are_shown_as_a_module_or_from_the_current_or_home_folder():
     )
 
 
+def test_what_a_report_prints_on_stderr_meanwhile_follows_the_same_path_rules(caplog, monkeypatch):
+    import logging
+    import warnings
+
+    def hide(text):
+        return bugreport.without_private_paths(text, "/home/alice", "/home/alice/project", [])
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, *rest: shown.append(str(message)))
+    log = logging.getLogger("shim")
+    with caplog.at_level(logging.INFO, logger="shim"), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with bugreport.stderr_with(hide):
+            log.info("%s: replaced by %s", "demo", "fast (/home/alice/tools/fast.py)")
+            warnings.warn("see /home/alice/project/patch.py", UserWarning, stacklevel=1)
+        log.info("after: /home/alice/tools/fast.py")
+        warnings.warn("after: /home/alice/project/patch.py", UserWarning, stacklevel=1)
+    assert [record.getMessage() for record in caplog.records] == [
+        "demo: replaced by fast (~/tools/fast.py)",
+        "after: /home/alice/tools/fast.py",  # the rules hold inside the report only
+    ]
+    assert shown == ["see ./patch.py", "after: /home/alice/project/patch.py"]
+
+
 SITECUSTOMIZE = """
 import json, os
 import shim
@@ -126,7 +150,8 @@ FAST = "def fast(self, *args, **kwargs):  # another patcher's replacement, which
 
 def test_a_report_names_no_users_folder(tmp_path, env):
     """Another patcher's files under a fake user's home: one on no import path, one in the current
-    folder, one on ``sys.path``; and a SHIM_* variable of the user's own holding a path."""
+    folder, one on ``sys.path``; and a SHIM_* variable of the user's own holding a path. Neither the
+    document nor the shim's log lines on stderr name the folder."""
     home = tmp_path / "home" / "alice-private-name"
     for folder in ("project", "tools", "site"):
         (home / folder).mkdir(parents=True)
@@ -135,6 +160,7 @@ def test_a_report_names_no_users_folder(tmp_path, env):
     (home / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     extra = {"HOME": str(home), "PYTHONPATH": str(home / "site"), "REPLACED": str(tmp_path / "replaced.json")}
     extra["SHIM_MY_CACHE"] = str(home / "cache")
+    extra["SHIM_LOG_LEVEL"] = "INFO"  # the shim's log lines on stderr name the other patchers too
     done = subprocess.run(
         [sys.executable, "-m", "shim", "bug-report"],
         env=clean_environment(env | extra),
@@ -146,7 +172,9 @@ def test_a_report_names_no_users_folder(tmp_path, env):
     assert done.returncode == 0, done.stderr
     replaced = json.loads((tmp_path / "replaced.json").read_text())
     assert replaced, "a target of the shim's in transformers.modeling_utils to replace"
-    assert "alice-private-name" not in done.stdout and str(tmp_path) not in done.stdout
+    for printed in (done.stdout, done.stderr):
+        assert "alice-private-name" not in printed and str(tmp_path) not in printed
+    assert "fastpatch:fast (~/tools/fast.py)" in done.stderr, "logged, with the report's path rules"
     for spec, where in zip(replaced, ["fastpatch:fast (~/tools/fast.py)", "fastpatch:fast (./local_fast.py)"]):
         assert f"{spec} was replaced by {where}" in done.stdout
     if len(replaced) == 3:

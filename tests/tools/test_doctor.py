@@ -246,3 +246,18 @@ def test_doctor_shows_no_warning_its_own_imports_cause():
     )
     quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "TRLExperimentalWarning" not in quiet.stderr and "still shown" in quiet.stderr
+
+
+def test_doctor_says_the_patch_packs_left_out_at_import_shim_below_a_table_of_every_patch(fake_modules):
+    """A pack's patch refused at ``import shim`` (an order that cannot hold) has no row: doctor says it
+    below the table where it checks every patch, as ``python -m shim`` does; ``doctor NAME`` does not."""
+    pkg = fake_modules(target="def f():\n    return 1\n")
+    importlib.import_module(f"{pkg}.target")
+    registry = Registry([make_patch(pkg, bug_probe=finds(True))])
+    registry.left_out.append("patch pack tpack 1.0 entry point ...: its place in the order cannot hold")
+    registry.activate()
+    for names, said in (((), True), (("demo",), False)):
+        written = []
+        doctor.print_table(registry, names, True, written.append)
+        assert ("\nnote: patch pack tpack 1.0 entry point ...: its place in the order cannot hold" in written) is said
+    registry.deactivate()
