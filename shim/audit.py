@@ -553,8 +553,8 @@ class _Tracker:
 
     def unchecked_layers(self) -> list[int]:
         """The checkpointing layers that ran in a training forward, where none ran checkpointed (once)."""
-        if self.judged_checkpointing or not self.layers_ran:
-            return []
+        if self.judged_checkpointing or not self.layers_ran or not self.in_layer & self.order.keys():
+            return []  # no layer ran, or none of the modules in them it watches: it cannot tell
         self.judged_checkpointing = True
         return [] if self.checkpointed else [key for key in self.layers if key in self.layers_ran]
 
