@@ -104,26 +104,47 @@ def settle(patches: Sequence[T], placed: Mapping[str, str] | None = None, *, dro
     ``Registry.register``."""
     placed = placed or {}
     refused: dict[str, Refusal] = {}
-    dropped: dict[str, list[str]] = {patch.name: [] for patch in patches}
+    dropped: dict[str, list[str]] | None = {patch.name: [] for patch in patches} if drop_missing else None
     while True:
         live = [patch for patch in patches if patch.name not in refused]
         places = {**placed, **{patch.name: patch.place for patch in live}}
-        inside: dict[str, set[str]] = {}
-        for patch in live:
-            problem = _first_problem(patch, places, dropped[patch.name] if drop_missing else None)
-            if problem is not None:
-                refused[patch.name] = problem
-            else:
-                inside[patch.name] = {name for name in patch.after if name in places and name not in placed}
-        if any(patch.name in refused for patch in live):
-            continue  # a patch was refused: look again without it
+        problems = _problems(live, places, dropped)
+        if problems:
+            refused.update(problems)
+            continue  # look again without them
+        inside = {patch.name: _waits_for(patch, places, placed) for patch in live}
         ordered = _inward_first(live, inside)
         if len(ordered) == len(live):
-            return Settled(ordered, refused, {name: names for name, names in dropped.items() if names})
-        done = {patch.name for patch in ordered}
-        cycle = _cycle({name: names - done for name, names in inside.items() if name not in done})
-        for name, then in zip(cycle, cycle[1:]):
-            refused[name] = Refusal(name, places[name], CYCLE, then, places[then], tuple(cycle))
+            return Settled(ordered, refused, {name: names for name, names in (dropped or {}).items() if names})
+        refused.update(_in_a_cycle(ordered, inside, places))
+
+
+def _problems(
+    live: Sequence[Ordered], places: Mapping[str, str], dropped: dict[str, list[str]] | None
+) -> dict[str, Refusal]:
+    """The first problem of each of ``live`` that has one (:func:`_first_problem`)."""
+    found = {}
+    for patch in live:
+        problem = _first_problem(patch, places, None if dropped is None else dropped[patch.name])
+        if problem is not None:
+            found[patch.name] = problem
+    return found
+
+
+def _waits_for(patch: Ordered, places: Mapping[str, str], placed: Mapping[str, str]) -> set[str]:
+    """The others ``patch`` waits for: the names its ``after`` gives that are there (``places``) and
+    not placed already (those are before it whatever comes)."""
+    return {name for name in patch.after if name in places and name not in placed}
+
+
+def _in_a_cycle(
+    ordered: Sequence[Ordered], inside: Mapping[str, set[str]], places: Mapping[str, str]
+) -> dict[str, Refusal]:
+    """The patches of one cycle among those that ``ordered`` left out (``inside``: name -> the names
+    it waits for; ``places``: name -> place), refused."""
+    done = {patch.name for patch in ordered}
+    cycle = tuple(_cycle({name: names - done for name, names in inside.items() if name not in done}))
+    return {name: Refusal(name, places[name], CYCLE, then, places[then], cycle) for name, then in zip(cycle, cycle[1:])}
 
 
 def contradiction(refusal: Refusal) -> str:
