@@ -101,10 +101,14 @@ def test_the_engine_never_imports_the_tools_nor_the_self_checks():
 ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
-    "shim.order": set(),  # the one order of the parts on a target: Patch.after, Patch.place
+    # the one order of the parts on a target (Patch.after, Patch.place) and what it must refuse, one
+    # function for the index, the packs at import shim and register()
+    "shim.order": set(),
     "shim.ranges": set(),  # how a version range is written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
-    "shim.runtime": {"shim.forks"},  # switches and the effects ledger
+    # switches and the effects ledger, and where a worker's counts go (the exit report's keys, which
+    # the front door sets and the tools read: no tool reaches into the front door for them)
+    "shim.runtime": {"shim.forks"},
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
     "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
     # the checkpointing path, public: the steps' targets and what a step uses; built on the front
