@@ -102,6 +102,8 @@ def settle(patches: Sequence[T], placed: Mapping[str, str] | None = None, *, dro
     then the patches of a cycle of ``after`` declarations. Each caller says what a refusal means
     there: an index that cannot be written, a pack left out with its warning, a ``ValueError`` from
     ``Registry.register``."""
+    if not any(patch.after for patch in patches):
+        return Settled(list(patches), {}, {})  # nothing to decide: a patch of your own, as a rule
     placed = placed or {}
     refused: dict[str, Refusal] = {}
     dropped: dict[str, list[str]] | None = {patch.name: [] for patch in patches} if drop_missing else None
@@ -176,15 +178,18 @@ def _inward_first(patches: Sequence[T], inside: Mapping[str, set[str]]) -> list[
     import heapq
 
     waiting = [set(inside[patch.name]) for patch in patches]
-    ready = [index for index, names in enumerate(waiting) if not names]
+    waiters: dict[str, list[int]] = {}  # name -> the patches (by index) that wait for it
+    for index, names in enumerate(waiting):
+        for name in names:
+            waiters.setdefault(name, []).append(index)
+    ready = [index for index, names in enumerate(waiting) if not names]  # ascending: a heap already
     ordered: list[T] = []
     while ready:
         ordered.append(patches[heapq.heappop(ready)])
-        for index, names in enumerate(waiting):
-            if ordered[-1].name in names:
-                names.discard(ordered[-1].name)
-                if not names:
-                    heapq.heappush(ready, index)
+        for index in waiters.pop(ordered[-1].name, ()):
+            waiting[index].discard(ordered[-1].name)
+            if not waiting[index]:
+                heapq.heappush(ready, index)
     return ordered
 
 

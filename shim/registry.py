@@ -71,8 +71,9 @@ class Registry:
         registered before it."""
         with self._lock:
             placed = {name: entry.declared.place for name, entry in self._entries.items() if name != patch.name}
-        for refusal in order.settle([patch], placed).refused.values():
-            raise order.OrderError(_misplaced(refusal))
+        refused = order.settle([patch], placed).refused
+        if refused:
+            raise order.OrderError(_misplaced(refused[patch.name]))
 
     @property
     def names(self) -> tuple[str, ...]:

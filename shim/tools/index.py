@@ -213,8 +213,8 @@ def stacking_order(patches: Sequence[Patch]) -> list[Patch]:
     patches its ``after`` names, ties by name (``shim.order.settle``). Anything it refuses means an
     index that cannot be written: :class:`shim.order.OrderError`, naming the first problem found."""
     settled = order.settle(sorted(patches, key=lambda patch: (order.PLACES.index(patch.place), patch.name)))
-    for refusal in settled.refused.values():
-        raise order.OrderError(_unwritable(refusal))
+    if settled.refused:
+        raise order.OrderError(_unwritable(next(iter(settled.refused.values()))))
     return settled.ordered
 
 
