@@ -116,16 +116,13 @@ def _report_at_exit(table: bool) -> None:
     at_exit(table)
 
 
-#: The key, in ``multiprocessing``'s per-process config, of the process whose exit report says the
-#: counts of the workers it starts (``shim.tools.workers``): each process it starts gets a copy.
-_WORKERS_KEY = "hf-train-shim exit report"
 _handing_over_in = 0  # the pid of the worker whose end hands its counts over (a fork child starts over)
 
 
 def _workers_report_here(process: ModuleType) -> None:
     """Once ``multiprocessing.process`` is imported: the workers this process starts hand their
     counts to its exit report (a worker's own copy of the config names its starter's key)."""
-    process.current_process()._config.setdefault(_WORKERS_KEY, f"{os.getpid()}-{time.time_ns()}")
+    process.current_process()._config.setdefault(runtime.WORKERS_KEY, f"{os.getpid()}-{time.time_ns()}")
 
 
 def _hand_over_at_worker_end() -> None:
@@ -141,10 +138,9 @@ def _hand_over_at_worker_end() -> None:
     Finalize(None, _report_at_exit, args=(_report is True,), exitpriority=-100)  # after it joined its own
 
 
-#: The variable that names a Ray job whose driver imported the shim, set in the job's runtime
-#: environment by ``ray-workers-get-the-shim``: a worker of it hands its counts to that driver's exit
-#: report (``shim.tools.rayjobs``), as a ``multiprocessing`` worker does to its starter's.
-_RAY_JOB = "HF_TRAIN_SHIM_RAY_JOB"
+#: ``runtime.RAY_JOB``, for the Ray patch's helper (``shim.patches._ray_jobs``), which sets it: a patch
+#: module imports only the public modules (the tools import it from ``shim.runtime``).
+_RAY_JOB = runtime.RAY_JOB
 
 
 def _hand_over_to_ray_driver() -> None:
@@ -206,7 +202,7 @@ if _report is not False:
     atexit.register(_report_at_exit, _report is True)
     importhooks.when_imported("multiprocessing.process", _workers_report_here)
     runtime.first_effect_hooks.append(_hand_over_at_worker_end)
-    if os.environ.get(_RAY_JOB):
+    if os.environ.get(runtime.RAY_JOB):
         runtime.first_effect_hooks.append(_hand_over_to_ray_driver)
 
 

@@ -110,9 +110,20 @@ class Layers:
         and a layer left with no part off its target, whatever sits above it; a layer that cannot be
         spliced out stays as a pass-through (a part joins it again on the next activation). Returns
         whether it took anything out."""
-        chosen = [layer for layer in self.placed if modules is None or layer.module_name in modules]
+        chosen, old = _of(self.placed, modules), _of(self.replaced, modules)
+        unbound = self._give_back(chosen, every=modules is None)
+        stuck = self._take_out(chosen, old)
+        self.placed = [layer for layer in self.placed if layer not in chosen]
+        self.replaced = [layer for layer in self.replaced if layer not in old]
+        if stuck:
+            log.warning("%s: left in place switched off (a layer with no part): %s", self.name, "; ".join(stuck))
+        return bool(chosen or old or unbound)
+
+    def _give_back(self, chosen: list[Layer], every: bool) -> bool:
+        """Give the consumers their names back: those rebound to ``chosen``'s layers (``every``: all
+        rebound), and the copies taken of them since. Returns whether any was rebound."""
         handles = {id(layer.handle) for layer in chosen}
-        rebound = [entry for entry in self.rebound if id(entry[2]) in handles or modules is None]
+        rebound = [entry for entry in self.rebound if every or id(entry[2]) in handles]
         for module, attribute, handle, original in rebound:
             rebinding.unbind([(module, attribute)], handle, original)
         self.rebound = [entry for entry in self.rebound if entry not in rebound]
@@ -121,17 +132,17 @@ class Layers:
             # rebinding to undo (peft's package re-exports its function that way): given back too.
             copies, _failed = rebinding.rebind(self.consumers, layer.handle, layer.original)
             log.debug("%s: gave %d later copies of %s back", self.name, len(copies), layer.path)
+        return bool(rebound)
+
+    def _take_out(self, chosen: list[Layer], old: list[Layer]) -> list[str]:
+        """Take the part out of ``chosen``'s layers, the last put in first, and out of ``old``'s, from
+        the old object each sits in, where that still holds it; what stays, and why."""
         stuck = [problem for layer in reversed(chosen) if (problem := self._leave(layer.module, layer.path, layer))]
-        old = [layer for layer in self.replaced if modules is None or layer.module_name in modules]
-        for layer in old:  # from the old object it sits in, if that still holds it
+        for layer in old:
             owner = layer.owner()
             if owner is not None and (problem := self._leave(owner, layer.attribute, layer)):
                 stuck.append(problem)
-        self.placed = [layer for layer in self.placed if layer not in chosen]
-        self.replaced = [layer for layer in self.replaced if layer not in old]
-        if stuck:
-            log.warning("%s: left in place switched off (a layer with no part): %s", self.name, "; ".join(stuck))
-        return bool(chosen or old or rebound)
+        return stuck
 
     def _leave(self, holder: object, path: str, layer: Layer) -> str | None:
         parts = wrapping.parts_of(layer.handle)
@@ -171,6 +182,11 @@ class Layers:
 
     def describe(self, layers: list[Layer]) -> str:
         return ", ".join(f"{getattr(layer.module, '__name__', layer.module)}:{layer.path}" for layer in layers)
+
+
+def _of(layers: list[Layer], modules: set[str] | None) -> list[Layer]:
+    """Those of ``layers`` in the target modules ``modules`` (all, where ``None``)."""
+    return [layer for layer in layers if modules is None or layer.module_name in modules]
 
 
 def upstream_again(layer: Layer) -> bool:

@@ -11,11 +11,12 @@ first; the checkpointing path's steps act on a call in the same order. A patch p
   is on the target, without naming them (as pluggy's ``tryfirst``/``trylast``); ``""`` in between.
 
 Each place holds the built-ins first, then the patch packs and patches given to ``shim.register()``,
-in the order they register. The order is checked where it is declared: an unknown name, a cycle or
-an ``after`` that contradicts a ``place`` is an error when ``python -m shim index``
-generates the built-ins' index (which lists them in this order), a pack refused with a warning by
-:func:`settle` at ``import shim`` (before its module is imported), and a ``ValueError`` from
-``Registry.register`` for a patch of your own.
+in the order they register. One function, :func:`settle`, computes the order and what it must
+refuse, where the order is declared; each caller says what a refusal means there: an unknown name,
+a cycle or an ``after`` that contradicts a ``place`` is an error when ``python -m shim index``
+generates the built-ins' index (which lists them in this order), a pack left out with a warning at
+``import shim`` (before its module is imported; an ``after`` naming a patch that is not installed
+is dropped), and a ``ValueError`` from ``Registry.register`` for a patch of your own.
 
 Loaded by ``import shim`` (a registered patch's rank is two integers); nothing here imports
 ``packaging`` or a patch module.
@@ -23,7 +24,7 @@ Loaded by ``import shim`` (a registered patch's rank is two integers); nothing h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 #: Where a patch's parts can sit among the others on a target, innermost (next to upstream) first.
@@ -55,133 +56,141 @@ def rank(place: str, sequence: int) -> tuple[int, int]:
     return PLACES.index(place), sequence
 
 
-def _shown(place: str) -> str:
+def shown(place: str) -> str:
+    """A place as the messages write it."""
     return repr(place) if place else "in between"
 
 
-def arrange(patches: Sequence[T]) -> list[T]:
-    """``patches`` in the order given, each moved after the patches its ``after`` names among them
-    (an unknown name or a cycle is left for :func:`check_after` to say)."""
-    if not any(patch.after for patch in patches):
-        return list(patches)  # the built-ins at ``import shim``: their index lists them in order
-    position = {patch.name: index for index, patch in enumerate(patches)}
-    inside = {p.name: {n for n in p.after if n in position and n != p.name} for p in patches}
-    ordered = _inward_first(patches, inside, lambda patch: (position[patch.name],))
-    return ordered + [p for p in patches if p not in ordered]
+#: Why a patch cannot take its place (:attr:`Refusal.cause`).
+MISSING = "missing"  # its after= names a patch that is not there (nor placed, or it was refused)
+OUTSIDE = "outside"  # its after= names a patch whose place sits outside its own
+CYCLE = "cycle"  # it sits in a cycle of after= declarations
 
 
-def _inward_first(
-    patches: Sequence[T], inside: Mapping[str, set[str]], priority: Callable[[T], tuple[int, ...]]
-) -> list[T]:
-    """``patches`` each after those it sits outside of (``inside``: name -> names), ties by ``priority``
-    (lowest first); a patch in a cycle is left out."""
-    import heapq
+class Refusal(NamedTuple):
+    """Why patch ``patch`` (of place ``place``) cannot take its place: the ``cause``, the name its
+    ``after`` gives that it is about (``named``, of place ``named_place``), and for a cycle the
+    cycle, its first name again at its end. What it means is the caller's to say."""
 
-    by_name = {patch.name: patch for patch in patches}
-    waiting = {name: set(names) for name, names in inside.items()}
-    ready = [(priority(p), p.name) for p in patches if not waiting[p.name]]
-    heapq.heapify(ready)
-    ordered: list[T] = []
-    while ready:
-        _key, name = heapq.heappop(ready)
-        ordered.append(by_name[name])
-        for other, names in waiting.items():
-            if name in names:
-                names.discard(name)
-                if not names:
-                    heapq.heappush(ready, (priority(by_name[other]), other))
-    return ordered
-
-
-def check_after(patch: Ordered, placed: Mapping[str, str]) -> None:
-    """Whether ``patch`` can sit outside every patch its ``after`` names, among the patches already
-    ``placed`` (name -> place); raises :class:`OrderError` naming the problem and the fix."""
-    for name in patch.after:
-        if name not in placed:
-            raise OrderError(
-                f"patch {patch.name!r} is declared after {name!r}, which is not registered before it "
-                f"(register {name!r} first, or take it out of after=)"
-            )
-        if PLACES.index(placed[name]) > PLACES.index(patch.place):
-            raise OrderError(
-                f"patch {patch.name!r} ({_shown(patch.place)}) is declared after {name!r} "
-                f"({_shown(placed[name])}), which sits outside it: drop one of the two declarations"
-            )
-
-
-def stacking_order(patches: Sequence[T]) -> list[T]:
-    """The built-in ``patches`` innermost first, as their index lists them: by place, each after the
-    patches its ``after`` names, ties by name. Raises :class:`OrderError` for an unknown name, a
-    cycle, or an ``after`` against a ``place``."""
-    by_name = {patch.name: patch for patch in patches}
-    inside: dict[str, set[str]] = {}
-    for patch in patches:
-        unknown = [name for name in patch.after if name not in by_name]
-        if unknown:
-            raise OrderError(f"patch {patch.name!r} is declared after {unknown[0]!r}, which is no built-in patch")
-        named = {name for name in patch.after if name in by_name}
-        for name in named:
-            if PLACES.index(by_name[name].place) > PLACES.index(patch.place):
-                check_after(patch, {name: by_name[name].place})  # raises, naming both
-        inside[patch.name] = named
-    ordered = _inward_first(patches, inside, lambda patch: (PLACES.index(patch.place),))
-    if len(ordered) < len(patches):
-        done = {patch.name for patch in ordered}
-        left = {name: names - done for name, names in inside.items() if name not in done}
-        raise OrderError(f"the after= declarations form a cycle: {' -> '.join(_cycle(left))}")
-    return sorted(ordered, key=lambda patch: PLACES.index(patch.place))  # a stable sort: topology kept
+    patch: str
+    place: str
+    cause: str
+    named: str
+    named_place: str = ""
+    cycle: tuple[str, ...] = ()
 
 
 class Settled(NamedTuple):
-    """The patch packs in the order they register (:func:`settle`), those refused and why, and the
-    constraints dropped from each, in words."""
+    """The patches in the one order (:func:`settle`), those refused and why (in the order found: a
+    refusal that follows from another comes after it), and the names each one's ``after`` gives
+    that are not there, whose constraints were dropped (with ``drop_missing``)."""
 
     ordered: list[Any]
-    refused: dict[str, str]
+    refused: dict[str, Refusal]
     dropped: dict[str, list[str]]
 
 
-def settle(packs: Sequence[T], placed: Mapping[str, str], left_out: Collection[str] = ()) -> Settled:
-    """The one order of ``packs`` among themselves and the patches already ``placed`` (name ->
-    place: the built-ins), decided from their records before any of their modules is imported:
-    each after the patches its ``after`` names, ties as given (``sys.path`` order).
+def settle(patches: Sequence[T], placed: Mapping[str, str] | None = None, *, drop_missing: bool = False) -> Settled:
+    """The one order of ``patches`` among themselves, after the patches already ``placed`` (name ->
+    place), and what it must refuse: each after the patches its ``after`` names, ties as given (the
+    index gives the built-ins by place and name, which keeps them by place: a patch waits only for
+    patches of its place or one inside it; ``shim.packs`` gives the packs in ``sys.path`` order).
 
-    A pack is refused (one problem each, its own) where its ``after`` names a patch whose place sits
-    outside its own, or where it sits in a cycle of ``after`` declarations; an ``after`` that names
-    a patch that is not there, or was refused (here, or before: ``left_out``), is dropped (said in
-    ``dropped``), not the pack."""
-    refused: dict[str, str] = {}
-    dropped: dict[str, list[str]] = {patch.name: [] for patch in packs}
-    position = {patch.name: index for index, patch in enumerate(packs)}
+    A patch is refused for the first problem its ``after`` shows, in its order: a name of a place
+    that sits outside its own, or (unless ``drop_missing``: that constraint is dropped instead,
+    said in ``dropped``) a name that is neither among ``patches`` nor ``placed``, or was refused;
+    then the patches of a cycle of ``after`` declarations. Each caller says what a refusal means
+    there: an index that cannot be written, a pack left out with its warning, a ``ValueError`` from
+    ``Registry.register``."""
+    if not any(patch.after for patch in patches):
+        return Settled(list(patches), {}, {})  # nothing to decide: a patch of your own, as a rule
+    placed = placed or {}
+    refused: dict[str, Refusal] = {}
+    dropped: dict[str, list[str]] | None = {patch.name: [] for patch in patches} if drop_missing else None
     while True:
-        live = [patch for patch in packs if patch.name not in refused]
+        live = [patch for patch in patches if patch.name not in refused]
         places = {**placed, **{patch.name: patch.place for patch in live}}
-        inside: dict[str, set[str]] = {}
-        for patch in live:
-            inside[patch.name] = set()
-            for name in patch.after:
-                if name not in places:
-                    gone = "was refused" if name in refused or name in left_out else "is not installed"
-                    note = f"declared after {name!r}, which {gone}: that constraint is dropped"
-                    if note not in dropped[patch.name]:
-                        dropped[patch.name].append(note)
-                elif PLACES.index(places[name]) > PLACES.index(patch.place):
-                    refused[patch.name] = (
-                        f"its place ({_shown(patch.place)}) and its after= {name!r} ({_shown(places[name])}, "
-                        "which sits outside it) contradict each other: drop one of the two declarations"
-                    )
-                elif name not in placed:  # another pack, wherever it is in the list
-                    inside[patch.name].add(name)
-        if any(patch.name in refused for patch in live):
-            continue  # said in the loop: look again without it
-        ordered = _inward_first(live, inside, lambda patch: (position[patch.name],))
+        problems = _problems(live, places, dropped)
+        if problems:
+            refused.update(problems)
+            continue  # look again without them
+        inside = {patch.name: _waits_for(patch, places, placed) for patch in live}
+        ordered = _inward_first(live, inside)
         if len(ordered) == len(live):
-            return Settled(ordered, refused, {name: notes for name, notes in dropped.items() if notes})
-        done = {patch.name for patch in ordered}
-        waiting = {name: names - done for name, names in inside.items() if name not in done}
-        cycle = _cycle(waiting)
-        for name in cycle[:-1]:
-            refused[name] = f"its after= declarations form a cycle: {' -> '.join(cycle)}"
+            return Settled(ordered, refused, {name: names for name, names in (dropped or {}).items() if names})
+        refused.update(_in_a_cycle(ordered, inside, places))
+
+
+def _problems(
+    live: Sequence[Ordered], places: Mapping[str, str], dropped: dict[str, list[str]] | None
+) -> dict[str, Refusal]:
+    """The first problem of each of ``live`` that has one (:func:`_first_problem`)."""
+    found = {}
+    for patch in live:
+        problem = _first_problem(patch, places, None if dropped is None else dropped[patch.name])
+        if problem is not None:
+            found[patch.name] = problem
+    return found
+
+
+def _waits_for(patch: Ordered, places: Mapping[str, str], placed: Mapping[str, str]) -> set[str]:
+    """The others ``patch`` waits for: the names its ``after`` gives that are there (``places``) and
+    not placed already (those are before it whatever comes)."""
+    return {name for name in patch.after if name in places and name not in placed}
+
+
+def _in_a_cycle(
+    ordered: Sequence[Ordered], inside: Mapping[str, set[str]], places: Mapping[str, str]
+) -> dict[str, Refusal]:
+    """The patches of one cycle among those that ``ordered`` left out (``inside``: name -> the names
+    it waits for; ``places``: name -> place), refused."""
+    done = {patch.name for patch in ordered}
+    cycle = tuple(_cycle({name: names - done for name, names in inside.items() if name not in done}))
+    return {name: Refusal(name, places[name], CYCLE, then, places[then], cycle) for name, then in zip(cycle, cycle[1:])}
+
+
+def contradiction(refusal: Refusal) -> str:
+    """An ``after`` against a ``place`` (:data:`OUTSIDE`) as an error says it: the index's,
+    ``Registry.register``'s."""
+    return (
+        f"patch {refusal.patch!r} ({shown(refusal.place)}) is declared after {refusal.named!r} "
+        f"({shown(refusal.named_place)}), which sits outside it: drop one of the two declarations"
+    )
+
+
+def _first_problem(patch: Ordered, places: Mapping[str, str], dropped: list[str] | None) -> Refusal | None:
+    """Why ``patch`` cannot sit after the patches its ``after`` names among ``places`` (name ->
+    place), or ``None``; a name not there is added to ``dropped`` where that is a list, else refused."""
+    for name in patch.after:
+        if name not in places:
+            if dropped is None:
+                return Refusal(patch.name, patch.place, MISSING, name)
+            if name not in dropped:
+                dropped.append(name)
+        elif PLACES.index(places[name]) > PLACES.index(patch.place):
+            return Refusal(patch.name, patch.place, OUTSIDE, name, places[name])
+    return None
+
+
+def _inward_first(patches: Sequence[T], inside: Mapping[str, set[str]]) -> list[T]:
+    """``patches`` each after those it sits outside of (``inside``: name -> names), ties as given; a
+    patch in a cycle is left out."""
+    import heapq
+
+    waiting = [set(inside[patch.name]) for patch in patches]
+    waiters: dict[str, list[int]] = {}  # name -> the patches (by index) that wait for it
+    for index, names in enumerate(waiting):
+        for name in names:
+            waiters.setdefault(name, []).append(index)
+    ready = [index for index, names in enumerate(waiting) if not names]  # ascending: a heap already
+    ordered: list[T] = []
+    while ready:
+        ordered.append(patches[heapq.heappop(ready)])
+        for index in waiters.pop(ordered[-1].name, ()):
+            waiting[index].discard(ordered[-1].name)
+            if not waiting[index]:
+                heapq.heappush(ready, index)
+    return ordered
 
 
 def _cycle(waiting: Mapping[str, set[str]]) -> list[str]:

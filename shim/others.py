@@ -19,7 +19,7 @@ import fnmatch
 import functools
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import wrapt
@@ -236,34 +236,43 @@ def _copies_around(layers: Layers) -> list[Other]:
     found = []
     rebound = {(id(module), attribute) for module, attribute, *_ in layers.rebound}
     for layer in layers.placed if layers.consumers else ():
-        home = layer.module_name.partition(".")[0]
-        for module_name, module in list(sys.modules.items()):
-            if module is None or not any(fnmatch.fnmatchcase(module_name, p) for p in layers.consumers):
-                continue
-            value = getattr(module, "__dict__", {}).get(layer.attribute)
-            if (
-                value is None
-                or value is layer.handle
-                or value is layer.original
-                or (id(module), layer.attribute) in rebound
-            ):
-                continue
-            if any(wrapping.patch_names_of(entry) for entry in wrapt.wrapper_chain(value)):
-                continue  # the shim's own layers (this patch's, or another's on the same function)
-            if getattr(value, "__module__", None) == layer.module_name and _definition(value, home) is None:
-                # upstream's own function, as the target held it before another patcher's
-                # replacement, which the shim wrapped: calls through this name skip both
-                file = "upstream's, from before another patcher replaced the target"
-                found.append(Other(f"{module_name}.{layer.attribute}", BYPASSED, _name(value), file))
-                continue
-            if not (
-                any(e is layer.original for e in wrapt.wrapper_chain(value)) or wrapping.holds(value, layer.original)
-            ):
-                continue  # another function of that name, not a copy of the target
-            where = _definition(value, home)
-            if where is not None and not wrapping.holds(value, layer.handle):
-                found.append(Other(f"{module_name}.{layer.attribute}", BYPASSED, *where))
+        for name, value in _copies_of(layer, layers.consumers, rebound):
+            other = _bypassing(layer, name, value)
+            if other is not None:
+                found.append(other)
     return found
+
+
+def _copies_of(layer: Layer, consumers: Iterable[str], rebound: set[tuple[int, str]]) -> Iterator[tuple[str, Any]]:
+    """``(module.attribute, value)`` of each consumer module (matching a pattern of ``consumers``) that
+    holds something of ``layer``'s attribute name other than the layer, upstream's object or a name
+    the patch rebound (``rebound``: ``(id(module), attribute)``)."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not any(fnmatch.fnmatchcase(module_name, pattern) for pattern in consumers):
+            continue
+        value = getattr(module, "__dict__", {}).get(layer.attribute)
+        if value is None or value is layer.handle or value is layer.original:
+            continue
+        if (id(module), layer.attribute) not in rebound:
+            yield f"{module_name}.{layer.attribute}", value
+
+
+def _bypassing(layer: Layer, name: str, value: object) -> Other | None:
+    """``value``, a consumer's name ``name``, as another patcher whose calls skip ``layer``'s fix; ``None``
+    where it is the shim's own layer or no copy of the target."""
+    if any(wrapping.patch_names_of(entry) for entry in wrapt.wrapper_chain(value)):
+        return None  # the shim's own layers (this patch's, or another's on the same function)
+    home = layer.module_name.partition(".")[0]
+    if getattr(value, "__module__", None) == layer.module_name and _definition(value, home) is None:
+        # upstream's own function, as the target held it before another patcher's
+        # replacement, which the shim wrapped: calls through this name skip both
+        return Other(name, BYPASSED, _name(value), "upstream's, from before another patcher replaced the target")
+    if not (any(e is layer.original for e in wrapt.wrapper_chain(value)) or wrapping.holds(value, layer.original)):
+        return None  # another function of that name, not a copy of the target
+    where = _definition(value, home)
+    if where is None or wrapping.holds(value, layer.handle):
+        return None
+    return Other(name, BYPASSED, *where)
 
 
 # -- saying what was found ----------------------------------------------------------------------------

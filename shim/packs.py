@@ -320,12 +320,29 @@ def _load(registry: Registry, paths: Iterable[str] | None) -> None:
         else:
             claimed[record.name] = record
     places = {name: registry.declared(name).place for name in taken}
-    settled = order.settle(list(claimed.values()), places, left_out)
-    for name, problem in settled.refused.items():
-        _left_out(claimed[name], f"its place in the order cannot hold: {problem}")
+    settled = order.settle(list(claimed.values()), places, drop_missing=True)
+    for name, refusal in settled.refused.items():
+        _left_out(claimed[name], f"its place in the order cannot hold: {_misplaced(refusal)}")
+    refused = left_out | set(settled.refused)
     for record in settled.ordered:
-        record.note = "; ".join(settled.dropped.get(record.name, ()))
+        record.note = "; ".join(_dropped(name, name in refused) for name in settled.dropped.get(record.name, ()))
         registry.register(record, settled=True)
+
+
+def _dropped(name: str, refused: bool) -> str:
+    """An ``after`` naming a patch that is not there, whose constraint is dropped: said in the status."""
+    gone = "was refused" if refused else "is not installed"
+    return f"declared after {name!r}, which {gone}: that constraint is dropped"
+
+
+def _misplaced(refusal: order.Refusal) -> str:
+    """What ``refusal`` means for a pack: why it is left out, and the fix."""
+    if refusal.cause == order.CYCLE:
+        return f"its after= declarations form a cycle: {' -> '.join(refusal.cycle)}"
+    return (
+        f"its place ({order.shown(refusal.place)}) and its after= {refusal.named!r} ({order.shown(refusal.named_place)}, "
+        "which sits outside it) contradict each other: drop one of the two declarations"
+    )
 
 
 def _claim(record: Listing, taken: Iterable[str], claimed: dict[str, Listing]) -> str | None:

@@ -39,8 +39,11 @@ class Registry:
         #: What ``shim.packs`` left out before registering (a patch pack's patch refused at ``import
         #: shim``, a distribution whose metadata cannot be read), each as it was said.
         self.left_out: list[str] = []
-        # In the one order (shim.order): a patch given before one it is declared after goes after it.
-        for patch in order.arrange(patches):
+        # In the one order (shim.order): a patch given before one it is declared after goes after it;
+        # one whose order cannot hold raises from register(), the first problem found first.
+        settled = order.settle(patches)
+        refused = [patch for name in settled.refused for patch in patches if patch.name == name]
+        for patch in [*settled.ordered, *refused]:
             self.register(patch)
 
     def register(self, patch: Patch | Listing, *, settled: bool = False) -> Patch | Listing:
@@ -68,7 +71,9 @@ class Registry:
         registered before it."""
         with self._lock:
             placed = {name: entry.declared.place for name, entry in self._entries.items() if name != patch.name}
-        order.check_after(patch, placed)
+        refused = order.settle([patch], placed).refused
+        if refused:
+            raise order.OrderError(_misplaced(refused[patch.name]))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -239,6 +244,17 @@ class Registry:
                 importhooks.when_imported(key, hook)
         if progress.problem is not None and config.strict:
             raise PatchError(f"patch {name!r} did not apply: {progress.problem} (SHIM_STRICT=1)")
+
+
+def _misplaced(refusal: order.Refusal) -> str:
+    """What ``refusal`` means for a patch given to :meth:`Registry.register`: the problem and the fix."""
+    if refusal.cause == order.OUTSIDE:
+        return order.contradiction(refusal)
+    # a name not registered before it (among one patch, a cycle is the patch after itself)
+    return (
+        f"patch {refusal.patch!r} is declared after {refusal.named!r}, which is not registered before it "
+        f"(register {refusal.named!r} first, or take it out of after=)"
+    )
 
 
 def unknown(name: object, known: list[str]) -> str:

@@ -31,6 +31,13 @@ _muted = threading.local()  # depth of muted() blocks in this thread: a bug prob
 #: Told of each patch's first effect in this process (the front door: a multiprocessing worker, which
 #: may end by ``os._exit`` without running ``atexit``, then arranges to hand its counts over at its end).
 first_effect_hooks: list[Callable[[], object]] = []
+#: Where a worker's counts go. The key, in ``multiprocessing``'s per-process config, of the process
+#: whose exit report says the counts of the workers it starts (the front door sets it, each process it
+#: starts gets a copy, ``shim.tools.workers`` reads it); and the variable that names a Ray job whose
+#: driver imported the shim, set in the job's runtime environment by ``ray-workers-get-the-shim``: a
+#: worker of it hands its counts to that driver's exit report (``shim.tools.rayjobs``).
+WORKERS_KEY = "hf-train-shim exit report"
+RAY_JOB = "HF_TRAIN_SHIM_RAY_JOB"
 
 
 class Switch:

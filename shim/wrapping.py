@@ -283,20 +283,32 @@ def _kept_by(value: object) -> list[object]:
     kept: list[object] = []
     if isinstance(value, types.FunctionType) and (wrapped := _static(value, "__wrapped__")) is not _NOTHING:
         kept.append(wrapped)  # functools.wraps
-    function: object = value
-    holder: object = None
+    function, holder = _runs(value)
+    if isinstance(function, types.FunctionType):
+        kept += _reached_from(function, holder)
+    return kept
+
+
+def _runs(value: object) -> tuple[object, object]:
+    """The function a call of ``value`` runs, and the object it runs on (``None`` for a function): a
+    bound method's function and instance, or an instance's class's ``__call__`` and the instance."""
     if isinstance(value, types.MethodType):
-        function, holder = value.__func__, value.__self__
-    elif not isinstance(value, types.FunctionType):  # an instance that is called: its class's __call__
-        function, holder = _static(type(value), "__call__"), value
-    if not isinstance(function, types.FunctionType):
-        return kept
-    kept += [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
+        return value.__func__, value.__self__
+    if isinstance(value, types.FunctionType):
+        return value, None
+    return _static(type(value), "__call__"), value
+
+
+def _reached_from(function: types.FunctionType, holder: object) -> list[object]:
+    """What ``function``'s code can reach: its closure cells, its defaults, the module globals it
+    names, and what those names are on the classes and modules among them and on ``holder``
+    (``self.original``, ``type(self).original``)."""
+    kept = [cell.cell_contents for cell in function.__closure__ or () if _filled(cell)]
     kept += [*(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values()]
     names = _names(function.__code__)
     named = [found for name in names if (found := function.__globals__.get(name, _NOTHING)) is not _NOTHING]
     owners: list[object] = [owner for owner in named if isinstance(owner, (type, types.ModuleType))]
-    if holder is not None:  # self.original, type(self).original
+    if holder is not None:
         owners.append(holder)
     kept += named
     kept += [found for owner in owners for name in names if (found := _static(owner, name)) is not _NOTHING]

@@ -22,6 +22,7 @@ from .targets import import_quietly, import_targets
 if TYPE_CHECKING:
     from ..patch import Patch
     from ..probing import Answer
+    from ..records import PatchStatus
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"
@@ -87,48 +88,86 @@ def examine(registry: Registry, name: str, blocked: str | None = None) -> Findin
     try:
         patch = registry.patch(name)
     except Exception as exc:  # a pack's module that cannot be imported: its status says why
-        status = next(s for s in registry.status() if s.name == name)
-        return Finding(name, status.installed or "-", status.state, "-", "-", ERROR, str(exc))
-    missing = import_targets(registry, [name])  # importing the targets lets the patch apply (or skip)
-    status = next(s for s in registry.status() if s.name == name)
-    installed = status.installed or "-"
-    if missing and gating.installed_version(patch.distribution) is None:
-        return Finding(name, installed, status.state, "-", "-", NOT_INSTALLED, status.reason)
-    if missing:
-        # The distribution is there but a target module is not (e.g. an older release): the
-        # patch cannot apply, so the check below measures whether the bug is there without it.
-        status = replace(status, reason=f"{status.reason}; {'; '.join(missing)}")
+        return _unanswered(_status(registry, name), ERROR, str(exc))
+    status, installed = _with_targets(registry, patch, name)
+    if not installed:
+        return _unanswered(status, NOT_INSTALLED, status.reason)
     if not patch.probes:
-        return Finding(name, installed, status.state, "-", "-", NO_CHECK, status.reason)
+        return _unanswered(status, NO_CHECK, status.reason)
     if blocked is not None:
-        return Finding(name, installed, status.state, "-", "-", CANNOT_CHECK, blocked)
-    if status.state == APPLIED:
-        with registry.disabled(name):
-            answers = ask(patch)
-        with_shim = ask(patch)
-    else:
-        answers = with_shim = ask(patch)
-    failed = [answer for answer in answers + with_shim if answer.present is None]
+        return _unanswered(status, CANNOT_CHECK, blocked)
+    off, on = _asked(registry, patch, name, status.state)
+    return _judged(status, off, on)
+
+
+def _status(registry: Registry, name: str) -> PatchStatus:
+    return next(status for status in registry.status() if status.name == name)
+
+
+def _unanswered(status: PatchStatus, verdict: str, detail: str) -> Finding:
+    """A finding that shows no bug probe's answer: ``-`` for the bug, upstream and with the shim."""
+    return Finding(status.name, status.installed or "-", status.state, "-", "-", verdict, detail)
+
+
+def _with_targets(registry: Registry, patch: Patch, name: str) -> tuple[PatchStatus, bool]:
+    """The status of patch ``name`` once its target modules are imported (which lets it apply, or
+    skip), and whether its distribution is installed (where a target module is missing)."""
+    missing = import_targets(registry, [name])
+    status = _status(registry, name)
+    if not missing:
+        return status, True
+    if gating.installed_version(patch.distribution) is None:
+        return status, False
+    # The distribution is there but a target module is not (e.g. an older release): the
+    # patch cannot apply, so the check below measures whether the bug is there without it.
+    return replace(status, reason=f"{status.reason}; {'; '.join(missing)}"), True
+
+
+def _asked(registry: Registry, patch: Patch, name: str, state: str) -> tuple[list[Answer], list[Answer]]:
+    """The answers of the bug probes of ``patch`` with the patch switched off, and on (the same
+    answers where it is not applied: off or on, it does not act)."""
+    if state != APPLIED:
+        answers = ask(patch)
+        return answers, answers
+    with registry.disabled(name):
+        off = ask(patch)
+    return off, ask(patch)
+
+
+def _judged(status: PatchStatus, off: list[Answer], on: list[Answer]) -> Finding:
+    """The finding from the bug probes' answers with the patch off and on."""
+    failed = [answer for answer in off + on if answer.present is None]
     if failed:  # a broken probe is a finding, not a crash of the whole report
-        return Finding(name, installed, status.state, "-", "-", ERROR, "; ".join(a.error for a in failed))
-    upstream = any(answer.present for answer in answers)
-    fixed = not any(answer.present for answer in with_shim)
+        return _unanswered(status, ERROR, "; ".join(answer.error for answer in failed))
+    upstream = any(answer.present for answer in off)
+    fixed = not any(answer.present for answer in on)
     bypassed = [other for other in status.others if other["relation"] == "bypassed"]
     others = tuple(other["text"] for other in status.others if other not in bypassed)
     if bypassed:  # checked as it runs here; the other patcher's code is what ran
-        patchers = sorted({other["by"].partition(":")[0].partition(".")[0] for other in bypassed})
-        verdict = NOT_FIXED if upstream else BYPASSED.format(", ".join(patchers))
-        detail = "; ".join(other["text"] for other in bypassed)
-        return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, detail, others)
-    if status.state == APPLIED:
-        verdict = FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
-    elif status.state == DISABLED:
-        verdict = OPTED_OUT
-    elif status.state == SKIPPED and status.decided_by == "probe" and not upstream:
-        verdict = FIXED_UPSTREAM
+        verdict, detail = _bypassed(bypassed, upstream), "; ".join(other["text"] for other in bypassed)
     else:
-        verdict = NOT_FIXED if upstream else NOT_AFFECTED
-    return Finding(name, installed, status.state, _yes_no(upstream), _yes_no(not fixed), verdict, status.reason, others)
+        verdict, detail = _verdict(status, upstream, fixed), status.reason
+    bugs = _yes_no(upstream), _yes_no(not fixed)
+    return Finding(status.name, status.installed or "-", status.state, *bugs, verdict, detail, others)
+
+
+def _bypassed(bypassed: list[dict[str, Any]], upstream: bool) -> str:
+    """The verdict where other patchers bypass the shim's layer: what ran was their code."""
+    if upstream:
+        return NOT_FIXED
+    patchers = sorted({other["by"].partition(":")[0].partition(".")[0] for other in bypassed})
+    return BYPASSED.format(", ".join(patchers))
+
+
+def _verdict(status: PatchStatus, upstream: bool, fixed: bool) -> str:
+    """The verdict from the patch's state and whether the bug shows upstream, and with the shim."""
+    if status.state == APPLIED:
+        return FIXED if upstream and fixed else NOT_FIXED if not fixed else NOT_REPRODUCED
+    if status.state == DISABLED:
+        return OPTED_OUT
+    if status.state == SKIPPED and status.decided_by == "probe" and not upstream:
+        return FIXED_UPSTREAM
+    return NOT_FIXED if upstream else NOT_AFFECTED
 
 
 def ask(patch: Patch) -> list[Answer]:

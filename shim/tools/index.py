@@ -31,8 +31,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from .. import order
 from ..catalogue import PACKAGE
-from ..order import stacking_order
 from ..packs import GROUP, ORDER, TARGETS
 from .run import say
 from .tomltables import TableError, header_line, lines_of, span, with_table
@@ -193,7 +193,7 @@ def _write(path: str, check: bool, make: Callable[[str, str], str]) -> int:
 
 
 def declared() -> list[Patch]:
-    """Every built-in patch module's ``PATCH``, in the one order (``shim.order.stacking_order``: an
+    """Every built-in patch module's ``PATCH``, in the one order (:func:`stacking_order`: an
     unknown name, a cycle or an ``after`` against a ``place`` raises ``shim.order.OrderError`` here)."""
     import pkgutil
 
@@ -206,6 +206,24 @@ def declared() -> list[Patch]:
             raise ValueError(f"{PACKAGE}.{module} declares {patch.name!r}: a patch's module is its name in snake_case")
         patches[patch.name] = patch
     return stacking_order(list(patches.values()))
+
+
+def stacking_order(patches: Sequence[Patch]) -> list[Patch]:
+    """The built-in ``patches`` innermost first, as their index lists them: by place, each after the
+    patches its ``after`` names, ties by name (``shim.order.settle``). Anything it refuses means an
+    index that cannot be written: :class:`shim.order.OrderError`, naming the first problem found."""
+    settled = order.settle(sorted(patches, key=lambda patch: (order.PLACES.index(patch.place), patch.name)))
+    if settled.refused:
+        raise order.OrderError(_unwritable(next(iter(settled.refused.values()))))
+    return settled.ordered
+
+
+def _unwritable(refusal: order.Refusal) -> str:
+    if refusal.cause == order.MISSING:
+        return f"patch {refusal.patch!r} is declared after {refusal.named!r}, which is no built-in patch"
+    if refusal.cause == order.CYCLE:
+        return f"the after= declarations form a cycle: {' -> '.join(refusal.cycle)}"
+    return order.contradiction(refusal)
 
 
 def render(patches: Sequence[Patch]) -> str:

@@ -1,7 +1,7 @@
 """A Ray job's workers in its driver's one exit report, not one line per worker.
 
 ``ray-workers-get-the-shim`` gives the workers of a job that a driver with the shim starts a setup hook
-that imports the shim, and names the job in their environment (``shim._RAY_JOB``). Ray ends its
+that imports the shim, and names the job in their environment (``shim.runtime.RAY_JOB``). Ray ends its
 workers without an interpreter exit (a Ray Train worker is killed once its training function
 returned), so a worker cannot say its counts at its end as a ``multiprocessing`` worker does
 (``shim.tools.workers``): from its first effect on, a daemon thread hands them over while it runs,
@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from .. import runtime
 from ..forks import fork_safe_lock
 
 #: How often a Ray worker's thread looks at its counts, handing them over when they changed.
@@ -39,9 +40,7 @@ if hasattr(os, "register_at_fork"):
 def job() -> str | None:
     """The job this process is a Ray worker of, with a driver that imported the shim; ``None`` otherwise
     (the driver, or a process the worker started without Ray)."""
-    from .. import _RAY_JOB
-
-    name = os.environ.get(_RAY_JOB)
+    name = os.environ.get(runtime.RAY_JOB)
     worker = sys.modules.get("ray._private.worker")
     if not name or worker is None:
         return None
@@ -66,8 +65,6 @@ def _run() -> None:
 
 def counted() -> dict[str, Any]:
     """What this worker counted, as its driver's report reads it."""
-    from .. import runtime
-
     names = sys.modules["shim"].registry.names
     effects = {name: runtime.count(name) for name in names if runtime.count(name)}
     rank = os.environ.get("RANK")  # a Ray Train worker's world rank (torch's variables, set by Ray Train)

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import processes, ranks, rayjobs, workers
 from .render import Row, effects_table, idle_group
@@ -140,7 +140,20 @@ def at_exit(table: bool) -> None:
         write_whole_lines(text)
 
 
+class Counted(NamedTuple):
+    """What a process counted, at its exit, by patch name: its workers' counts added in."""
+
+    effects: dict[str, int]  # this process's, its multiprocessing workers' and its Ray workers'
+    last: dict[str, str]  # the last effect of each patch that acted
+    own: dict[str, int]  # what acted in this process and its multiprocessing workers, not its Ray workers
+    handed_over: list[dict[str, Any]]  # what its multiprocessing workers handed over (shim.tools.workers)
+    ray_workers: list[dict[str, Any]]  # what the workers of its Ray jobs handed over (shim.tools.rayjobs)
+
+
 def _at_exit(shim: ModuleType, table: bool) -> str:
+    """What this process says at exit: a ``multiprocessing`` worker hands its counts to the process
+    that started it, a Ray worker to its driver; one process says its own with its workers', a rank
+    of a job its job's (or nothing, where another rank says it)."""
     from .. import runtime  # the effects ledger: counts read without a status, which would import patch modules
 
     names = shim.registry.names
@@ -148,36 +161,63 @@ def _at_exit(shim: ModuleType, table: bool) -> str:
     last = {name: runtime.last(name) for name, count in effects.items() if count}
     starter = workers.starter()
     if starter is not None:  # a multiprocessing worker: the process that started it says its counts
-        if not any(effects.values()):
-            return ""
-        counted = {"pid": os.getpid(), "effects": {name: n for name, n in effects.items() if n}, "last": last}
-        if workers.hand_over(starter, counted):
-            return ""
-        who = f"pid {os.getpid()}, multiprocessing worker, finished after the report of pid {workers.pid_of(starter)}"
-        return acted_line(effects, who, _prefix())
+        return _worker_line(starter, effects, last)
     if rayjobs.job() is not None:  # a Ray worker: its driver says its counts, or it says what it could not get
         return acted_line(rayjobs.at_exit(), rayjobs.who())
-    handed_over = workers.collect()
-    workers.merged(effects, last, handed_over)
-    ray_workers = rayjobs.collected()
-    own = {name: count for name, count in effects.items() if count}
-    workers.merged(effects, last, ray_workers)
+    counted = _with_workers(effects, last)
     role = processes.helper(module for name in names for module in shim.registry.declared(name).modules)
     found = ranks.job() if role is None else None
     if found is None:  # one process: the script, a helper, or a rank started alone
-        if role is not None and not any(effects.values()):
-            return ""  # a helper (launcher, worker) in which nothing changed
-        if table:
-            return report(shim.status(), handed_over, ray_workers)
-        who = workers.with_workers(f"pid {os.getpid()}, {role}" if role else "", handed_over)
-        if not ray_workers:
-            return acted_line(effects, who, _prefix())
-        who = f"{who}, {ray_names(ray_workers)}" if who else ray_names(ray_workers)
-        return acted_line(effects, who, _prefix(), ray_places(own, ray_workers))
+        return _process_report(shim, table, role, counted)
+    return _rank_report(shim, table, found, counted)
+
+
+def _worker_line(starter: str, effects: dict[str, int], last: dict[str, str]) -> str:
+    """A ``multiprocessing`` worker's: its counts handed to the process of key ``starter``, and nothing
+    said; its own line where that process has said its report already."""
+    if not any(effects.values()):
+        return ""
+    counted = {"pid": os.getpid(), "effects": {name: n for name, n in effects.items() if n}, "last": last}
+    if workers.hand_over(starter, counted):
+        return ""
+    who = f"pid {os.getpid()}, multiprocessing worker, finished after the report of pid {workers.pid_of(starter)}"
+    return acted_line(effects, who, _prefix())
+
+
+def _with_workers(effects: dict[str, int], last: dict[str, str]) -> Counted:
+    """This process's ``effects`` and ``last`` effects, what its multiprocessing workers and the
+    workers of its Ray jobs handed over added in."""
+    handed_over = workers.collect()
+    workers.merged(effects, last, handed_over)
+    own = {name: count for name, count in effects.items() if count}
+    ray_workers = rayjobs.collected()
+    workers.merged(effects, last, ray_workers)
+    return Counted(effects, last, own, handed_over, ray_workers)
+
+
+def _process_report(shim: ModuleType, table: bool, role: str | None, counted: Counted) -> str:
+    """The line (or ``table``) of one process: the script, or a helper of ``role`` (a launcher, a
+    worker) where something changed in it; its workers named and counted in."""
+    effects, _last, own, handed_over, ray_workers = counted
+    if role is not None and not any(effects.values()):
+        return ""  # a helper (launcher, worker) in which nothing changed
+    if table:
+        return report(shim.status(), handed_over, ray_workers)
+    who = workers.with_workers(f"pid {os.getpid()}, {role}" if role else "", handed_over)
+    if not ray_workers:
+        return acted_line(effects, who, _prefix())
+    who = f"{who}, {ray_names(ray_workers)}" if who else ray_names(ray_workers)
+    return acted_line(effects, who, _prefix(), ray_places(own, ray_workers))
+
+
+def _rank_report(shim: ModuleType, table: bool, found: ranks.Job, counted: Counted) -> str:
+    """A rank's counts joined to its job's: the job's line (or ``table``) where this rank says it, ``""``
+    where another rank does."""
+    acted = {name: count for name, count in counted.effects.items() if count}
     mine: dict[str, object] = {
         "pid": os.getpid(),
-        "effects": {name: count for name, count in effects.items() if count},
-        "last": {name: last[name] for name, count in effects.items() if count},
+        "effects": acted,
+        "last": {name: counted.last[name] for name in acted},
     }
     if table:
         mine["records"] = [_kept(record) for record in shim.status()]

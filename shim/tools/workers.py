@@ -1,7 +1,7 @@
 """A job's ``multiprocessing`` workers in its one exit report, not one line per worker.
 
 Which process says the report: a process that imported the shim marks the workers it starts. The
-front door puts this process's key (``shim._WORKERS_KEY``: its pid and a time) in
+front door puts this process's key (under ``shim.runtime.WORKERS_KEY``: its pid and a time) in
 ``multiprocessing``'s per-process config (``current_process()._config``) once
 ``multiprocessing.process`` is imported, and ``multiprocessing`` copies that config into each process
 it starts: in memory for ``fork``, pickled for ``spawn`` and ``forkserver`` (so
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import _WORKERS_KEY as WORKERS_KEY
+from ..runtime import WORKERS_KEY
 from . import ranks
 
 

@@ -9,8 +9,9 @@ import warnings
 import pytest
 
 import shim
-from shim import Patch, Registry, Target, packs
-from shim.order import OrderError, stacking_order
+from shim import Patch, Registry, Target, order, packs
+from shim.order import OrderError
+from shim.tools.index import stacking_order
 from tests.engine.fakes import TARGET, tagging
 from tests.engine.test_packs import write_pack
 
@@ -54,6 +55,48 @@ def test_the_built_ins_order_puts_the_places_first_then_after_then_names():
 def test_an_order_that_cannot_hold_is_refused_where_the_index_is_generated(patches, message):
     with pytest.raises(OrderError, match=message):
         stacking_order(patches)
+
+
+def test_one_function_computes_the_order_and_what_it_refuses_for_every_caller():
+    """``shim.order.settle`` is the one order: the index, the packs at ``import shim`` and
+    ``register()`` all read it; what a refusal means is theirs to say."""
+    patches = [
+        declared("late", "early"),  # given first, declared after "early"
+        declared("early"),
+        declared("inner", "outer", place="innermost"),  # its after= sits outside it
+        declared("gone", "nobody"),
+        declared("a", "b"),
+        declared("b", "a"),
+    ]
+    settled = order.settle(patches, {"outer": "outermost"})
+    assert [p.name for p in settled.ordered] == ["early", "late"]
+    assert {name: (r.cause, r.named) for name, r in settled.refused.items()} == {
+        "inner": (order.OUTSIDE, "outer"),
+        "gone": (order.MISSING, "nobody"),
+        "a": (order.CYCLE, "b"),
+        "b": (order.CYCLE, "a"),
+    }
+    assert settled.refused["a"].cycle == ("a", "b", "a") and settled.dropped == {}
+    lenient = order.settle(patches, {"outer": "outermost"}, drop_missing=True)
+    assert [p.name for p in lenient.ordered] == ["early", "late", "gone"] and lenient.dropped == {"gone": ["nobody"]}
+
+
+def test_a_refusal_that_follows_from_another_drops_the_constraint_and_is_found_after_it():
+    patches = [declared("follower", "refused"), declared("refused", "outer")]
+    lenient = order.settle(patches, {"outer": "outermost"}, drop_missing=True)
+    assert [p.name for p in lenient.ordered] == ["follower"] and lenient.dropped == {"follower": ["refused"]}
+    strict = order.settle(patches, {"outer": "outermost"})
+    assert list(strict.refused) == ["refused", "follower"], "the cause first"
+    with pytest.raises(OrderError, match="'refused' .* is declared after 'outer'"):
+        Registry([*patches, declared("outer", place="outermost")])  # the cause is what register() raises
+
+
+def test_a_patch_declared_after_itself_is_refused_by_every_caller():
+    with pytest.raises(OrderError, match="cycle: a -> a"):
+        stacking_order([declared("a", "a")])
+    with pytest.raises(OrderError, match="'a', which is not registered before it"):
+        Registry([declared("a", "a")])
+    assert order.settle([declared("a", "a")], drop_missing=True).refused["a"].cycle == ("a", "a")
 
 
 def test_a_place_must_be_one_of_the_three():

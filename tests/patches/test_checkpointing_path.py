@@ -929,8 +929,7 @@ def test_finds_layer_stays_innermost_whatever_a_new_step_is_called_or_declared_a
     next to upstream in the one order, without naming the steps before it."""
     import dataclasses
 
-    from shim.order import stacking_order
-    from shim.tools.index import declared
+    from shim.tools.index import declared, stacking_order
     from tests.patches import late_step
 
     step = dataclasses.replace(late_step.PATCH, name=name, after=after)

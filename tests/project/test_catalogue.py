@@ -74,7 +74,7 @@ def test_finds_layer_acts_last_on_the_checkpointing_path_by_its_place():
 
 def test_the_stacking_order_follows_after_and_refuses_cycles():
     from shim import Patch, Target
-    from shim.order import stacking_order
+    from shim.tools.index import stacking_order
 
     def patch(name, *after):
         return Patch(name, "s", "demo", ">=1", (Target("m:f", lambda *a: None),), after=after)

@@ -40,11 +40,14 @@ def module_name(path) -> str:
 
 
 def shim_graph() -> dict[str, set[str]]:
-    """Each module of the ``shim`` package (the wings included) -> the modules of it that it imports."""
+    """Each module of the ``shim`` package (the wings included) -> the modules of it that it imports.
+    A patch module (``shim.patches.*``, from patches/) is none of them: it is built on the front door."""
     modules = {module_name(path): path for path in ENGINE.rglob("*.py") if "_sitecustomize" not in path.parts}
     graph = {name: set() for name in modules}
     for name, path in modules.items():
         for imported in imports(path):
+            if imported == "shim.patches" or imported.startswith("shim.patches."):
+                continue
             while imported and imported not in modules:  # "from shim.tools import cli" -> shim.tools.cli
                 imported = imported.rpartition(".")[0]
             if imported and imported != name:
@@ -98,10 +101,14 @@ def test_the_engine_never_imports_the_tools_nor_the_self_checks():
 ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
-    "shim.order": set(),  # the one order of the parts on a target: Patch.after, Patch.place
+    # the one order of the parts on a target (Patch.after, Patch.place) and what it must refuse, one
+    # function for the index, the packs at import shim and register()
+    "shim.order": set(),
     "shim.ranges": set(),  # how a version range is written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
-    "shim.runtime": {"shim.forks"},  # switches and the effects ledger
+    # switches and the effects ledger, and where a worker's counts go (the exit report's keys, which
+    # the front door sets and the tools read: no tool reaches into the front door for them)
+    "shim.runtime": {"shim.forks"},
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
     "shim.parts": {"shim.runtime"},  # the parts in one target's layer, and which act now
     # the checkpointing path, public: the steps' targets and what a step uses; built on the front
@@ -252,6 +259,54 @@ def test_the_wings_have_no_import_circle():
 
     for module in wings:
         visit(module, [])
+
+
+def test_the_package_has_no_import_circle():
+    """Across the front door, the rooms and the wings too (also lazily): the front door imports the
+    exit report's tools at exit, and they take what they share with it (the workers' key, the Ray
+    job's variable) from a room below both, ``shim.runtime``."""
+    graph = shim_graph()
+    assert "shim.tools.report" in graph["shim"], "the graph must see the front door's lazy imports"
+
+    def visit(module, path):
+        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"
+        for imported in graph[module]:
+            visit(imported, [*path, module])
+
+    for module in graph:
+        visit(module, [])
+
+
+def private_names_of_shim(path) -> list[str]:
+    """The private names of the ``shim`` package (its front door) that ``path`` imports or reads:
+    ``from .. import _KEY`` in a module of ``shim.tools``, ``shim._KEY``, ``sys.modules["shim"]._KEY``."""
+    package = ".".join(path.parent.relative_to(ROOT).parts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            if ".".join(filter(None, [base, node.module])) == "shim":
+                found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.Attribute):
+            held = node.value
+            if isinstance(held, ast.Subscript):  # sys.modules["shim"]
+                held = held.slice
+            if (isinstance(held, ast.Name) and held.id == "shim") or (
+                isinstance(held, ast.Constant) and held.value == "shim"
+            ):
+                found.append(node.attr)
+    return [name for name in found if name.startswith("_") and not name.startswith("__")]
+
+
+def test_no_tools_module_reaches_into_the_front_doors_private_names():
+    """The tools use the front door's public API (``shim.registry``, ``shim.status()``, ``__version__``)
+    and the rooms; what they share with it lives in a room below both (the exit report's keys in
+    ``shim.runtime``), never in a private name of the front door, which imports the tools."""
+    tools = sorted((ENGINE / "tools").rglob("*.py"))
+    assert ENGINE / "tools" / "workers.py" in tools, "where this test looks"
+    assert private_names_of_shim(ENGINE / "__init__.py") == [], "the front door's own names are no reach"
+    offenders = {path.name: names for path in tools if (names := private_names_of_shim(path))}
+    assert offenders == {}
 
 
 def test_no_patch_imports_another_patch():
