@@ -216,7 +216,7 @@ def findings_of(model: Any) -> tuple[Finding, ...] | None:
 
 def said_of(model: Any) -> tuple[str, ...]:
     """What ``shim.in_effect(model)`` says of the audit: its findings' lines, or whether it ran."""
-    if switched_off():
+    if settings.audit_switched_off():
         return (f"first-step audit: switched off (SHIM_DISABLE names {NAME} or all)",)
     findings = findings_of(model)
     if findings is None:
@@ -240,12 +240,6 @@ def exit_line() -> str:
     return f"hf-train-shim first-step audit: {'; '.join(said)} (the warning says which and why)"
 
 
-def switched_off() -> bool:
-    """Whether ``SHIM_DISABLE`` names the audit (or all): read as the settings read it, without warnings."""
-    names = {settings.canonical(item) for item in os.environ.get("SHIM_DISABLE", "").split(",")}
-    return bool(names & (settings.ALL | {NAME}))
-
-
 def _note(note: str) -> None:
     if note not in notes:
         notes.append(note)
@@ -259,7 +253,7 @@ def install(is_on: Callable[[str], bool]) -> None:
     """Watch optimizers as they are made (``torch.optim.optimizer`` has just been imported):
     ``is_on(name)`` tells whether a patch is on, for the cause a finding gives."""
     global _is_on
-    if switched_off():
+    if settings.audit_switched_off():
         return
     _is_on = is_on
     _pass_through(sys.modules["torch.optim.optimizer"].Optimizer, _made)
@@ -328,7 +322,7 @@ def _compiling(args: object = None) -> None:
 def _made(optimizer: Any) -> None:
     """An optimizer was made: watch its first step, unless the audit is switched off now."""
     try:
-        if not switched_off():
+        if not settings.audit_switched_off():
             _Watch.start(optimizer)
     except Exception as exc:  # the audit never breaks training
         _failed(exc)

@@ -39,10 +39,9 @@ FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: What ``SHIM_PROBE`` takes, the default first: when a patch's bug probe is asked (``shim.probing``).
 PROBE_MODES = ("auto", "always", "never")
-#: The first-step audit's name (``shim.audit``): switched off like a patch, by ``SHIM_DISABLE``.
+#: The first-step audit's name (``shim.audit``). It lives here because ``SHIM_DISABLE``, read here
+#: alone, takes it beside the patches' names: the one name it takes that no patch has.
 AUDIT = "first-step-audit"
-#: What is said where the audit's name is given as a patch's (``shim.disable``, ``python -m shim explain``).
-AUDIT_IS_NO_PATCH = f"the first-step audit is no patch: SHIM_DISABLE={AUDIT} switches it off"
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -138,6 +137,17 @@ def _warn_each(items: list[str], one: Callable[[str], str], many: Callable[[str]
         warn_once(many(f"{quoted} and {len(items) - QUOTED} more"))
 
 
+def _items(variable: str) -> list[tuple[str, str]]:
+    """The items of the comma-separated list in ``variable``, each as written and as read (a patch's
+    name as :func:`canonical` writes it, or a word of :data:`ALL`); empty items and the words of
+    :data:`NONE` are nothing. The one reading of ``SHIM_DISABLE`` and ``SHIM_FORCE``."""
+    raw = os.environ.get(variable, "")
+    if not raw.strip():  # the usual case, asked once per patch at each decision: no list to build
+        return []
+    items = ((part.strip(), canonical(part)) for part in raw.split(","))
+    return [(item, name) for item, name in items if name not in NONE]
+
+
 def _names(
     variable: str, known: Iterable[str], *, allow_all: bool, also: Iterable[str] = ()
 ) -> tuple[bool, frozenset[str]]:
@@ -149,8 +159,8 @@ def _names(
     not a known name gets a warning; more than :data:`QUOTED` of a kind get one warning together.
     ``also``: names it takes besides the patches' (the audit's), not listed among the patches.
     """
-    raw = os.environ.get(variable, "")
-    if not raw.strip():  # the usual case, asked once per patch at each decision: no list to build
+    items = _items(variable)
+    if not items:
         return False, frozenset()
     known = sorted(known)
     names = ", ".join(known)
@@ -159,17 +169,13 @@ def _names(
     refused: list[str] = []  # 'all' where it is not accepted
     unknown: list[str] = []  # patch names that no patch has
     malformed: list[str] = []  # no patch names at all
-    for part in raw.split(","):
-        item = part.strip()
-        if item.lower() in NONE:
-            continue
-        if item.lower() in ALL:
+    for item, name in items:
+        if name in ALL:
             if allow_all:
                 everything = True
             else:
                 refused.append(item)
             continue
-        name = canonical(item)
         if name in accepted:
             found.add(name)
         else:
@@ -200,7 +206,22 @@ def _names(
 def all_disabled() -> bool:
     """Whether ``SHIM_DISABLE`` switches every patch off (``all``, alone or in a list), read as
     :func:`read` reads it but without a warning: the shim is off, and says nothing."""
-    return any(part.strip().lower() in ALL for part in os.environ.get("SHIM_DISABLE", "").split(","))
+    return any(name in ALL for _, name in _items("SHIM_DISABLE"))
+
+
+def audit_switched_off() -> bool:
+    """Whether ``SHIM_DISABLE`` switches the first-step audit off (names :data:`AUDIT`, or all), read
+    as :func:`read` reads it. A bad value is warned about by :func:`read`, at ``import shim`` (the
+    registry reads the settings as it activates each patch), not again each time the audit asks."""
+    return any(name in ALL or name == AUDIT for _, name in _items("SHIM_DISABLE"))
+
+
+def not_a_patch(name: str) -> str | None:
+    """What is said where a name that ``SHIM_DISABLE`` takes but no patch has is given as a patch's
+    (``shim.disable``, ``python -m shim explain``): the audit's; ``None`` for any other name."""
+    if canonical(name) == AUDIT:
+        return f"the first-step audit is no patch: SHIM_DISABLE={AUDIT} switches it off"
+    return None
 
 
 def flag(variable: str) -> bool:
