@@ -329,9 +329,7 @@ def _made(optimizer: Any) -> None:
 
 
 def _failed(exc: Exception) -> None:
-    if settings.flag("SHIM_STRICT"):
-        raise settings.PatchError(f"{NAME} failed: {exc!r}") from exc
-    settings.warn_once(f"hf-train-shim {NAME} failed, nothing audited: {exc!r}")
+    settings.strict_or_warn(f"hf-train-shim {NAME} failed, nothing audited: {exc!r}", exc)
 
 
 def _in_reentrant_forward() -> bool:

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from types import FrameType
 
 
@@ -49,7 +49,7 @@ PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 _NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep, os.sep + "importlib" + os.sep)
 
-_warned: set[str] = set()
+_warned: set[Hashable] = set()  # what warn_once said: the messages, or the keys it was given
 
 
 def _user_stacklevel() -> int:
@@ -72,13 +72,27 @@ def _user_stacklevel() -> int:
     return level
 
 
-def warn_once(message: str) -> None:
-    """Warn about a configuration problem once per process, pointing at the user's code."""
-    if message in _warned:
+def warn_once(message: str, once: Hashable = None) -> None:
+    """Warn about a configuration problem once per process, pointing at the user's code: once per
+    ``message``, or per ``once`` where given (a problem whose message names a changing detail)."""
+    key = message if once is None else once
+    if key in _warned:
         return
-    _warned.add(message)
+    _warned.add(key)
     logging.getLogger("shim").warning(message)
     warnings.warn(message, ShimWarning, stacklevel=_user_stacklevel())
+
+
+def strict_or_warn(message: str, cause: BaseException | None = None, once: Hashable = None) -> None:
+    """A problem the shim works around (a patch pack left out, a step or the audit that failed): under
+    ``SHIM_STRICT=1`` a :class:`PatchError` (``message (SHIM_STRICT=1)``, raised from ``cause``), else
+    one warning (:func:`warn_once`, per ``once`` where given)."""
+    if flag("SHIM_STRICT"):
+        error = PatchError(f"{message} (SHIM_STRICT=1)")
+        if cause is None:
+            raise error
+        raise error from cause
+    warn_once(message, once)
 
 
 def canonical(name: str) -> str:
