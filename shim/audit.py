@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import re
 import sys
 import weakref
@@ -860,8 +859,9 @@ def _finding(
     return Finding(kind, model, watched, names, sizes, cause, patches, off)
 
 
-#: Frames a finding's warning is not attributed to: the libraries between the user's step and the audit.
-_LIBRARIES = tuple(f"{os.sep}{name}{os.sep}" for name in ("shim", "torch", "accelerate", "transformers", "trl", "peft"))
+#: Frames a finding's warning is not attributed to (beside the shim's): the libraries between the
+#: user's step and the audit.
+_BETWEEN = ("torch", "accelerate", "transformers", "trl", "peft")
 
 
 def _warn(message: str) -> None:
@@ -869,12 +869,9 @@ def _warn(message: str) -> None:
     a filter makes it an error (``-W error``), on the logger alone: never raised into the step."""
     import warnings
 
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
-        frame, level = frame.f_back, level + 1
     _log.warning(message)
     try:
-        warnings.warn(message, settings.ShimWarning, stacklevel=level)
+        warnings.warn(message, settings.ShimWarning, stacklevel=settings.user_stacklevel(_BETWEEN))
     except Warning:
         pass  # said on the logger above, and in the exit line
 

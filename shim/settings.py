@@ -52,20 +52,23 @@ _NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep, os.sep + 
 _warned: set[Hashable] = set()  # what warn_once said: the messages, or the keys it was given
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel(libraries: Iterable[str] = ()) -> int:
     """The ``stacklevel`` that points a warning issued by the caller of this function at the first
-    frame outside the shim, wrapt and importlib: the user's ``import shim``, ``import transformers``
-    or ``shim.enable(...)`` line.
+    frame outside the shim, wrapt, importlib and the ``libraries`` named (top-level packages: the
+    first-step audit skips those between a user's training step and itself, ``torch``,
+    ``transformers``, ...): the user's ``import shim``, ``import transformers``,
+    ``shim.enable(...)`` or ``optimizer.step()`` line.
 
     Frames are counted the way :func:`warnings.warn` counts them: it skips importlib's
     ``_bootstrap`` frames by itself.
     """
+    skipped = (*_NOT_THE_CALLER, *(f"{os.sep}{name}{os.sep}" for name in libraries))
     frame: FrameType | None = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename
         if not ("importlib" in filename and "_bootstrap" in filename):
-            if not any(part in filename for part in _NOT_THE_CALLER):
+            if not any(part in filename for part in skipped):
                 return level
             level += 1
         frame = frame.f_back
@@ -80,7 +83,7 @@ def warn_once(message: str, once: Hashable = None) -> None:
         return
     _warned.add(key)
     logging.getLogger("shim").warning(message)
-    warnings.warn(message, ShimWarning, stacklevel=_user_stacklevel())
+    warnings.warn(message, ShimWarning, stacklevel=user_stacklevel())
 
 
 def strict_or_warn(message: str, cause: BaseException | None = None, once: Hashable = None) -> None:
