@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType, ModuleType
 from typing import Any, NamedTuple
 
-from . import importhooks, settings
+from . import importhooks, ranges, settings
 
 NAME = settings.AUDIT
 #: The patches that fix each cause the audit can tell, for its pointer and "switched off" note.
@@ -167,11 +167,10 @@ def _whole_modules(names: list[str], watched: list[str]) -> dict[str, str]:
 
 
 def _span(numbers: list[int]) -> str:
-    if len(numbers) == 1:
-        return str(numbers[0])
-    if numbers == list(range(numbers[0], numbers[-1] + 1)):
-        return f"{{{numbers[0]}..{numbers[-1]}}}"
-    return "{" + ",".join(map(str, numbers)) + "}"
+    """``3``, ``{0..3}``, ``{1,3}``, ``{0..2,5}``: braces (with ``..`` for a run, :func:`shim.ranges.runs`)
+    where a name stands for several, since the numbers sit inside a dotted name."""
+    written = ranges.runs(numbers, to="..")
+    return written[0] if len(numbers) == 1 else "{" + ",".join(written) + "}"
 
 
 def _amount(count: int) -> str:
