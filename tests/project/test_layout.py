@@ -99,7 +99,7 @@ ROOMS = {
     "shim.settings": set(),  # the environment variables, PatchError, ShimWarning
     "shim.forks": set(),  # locks that survive os.fork()
     "shim.order": set(),  # the one order of the parts on a target: Patch.after, Patch.place
-    "shim.ranges": set(),  # how a version range is written
+    "shim.ranges": set(),  # how a version range and a run of numbers are written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
     "shim.runtime": {"shim.forks"},  # switches and the effects ledger
     "shim.importhooks": {"shim.forks"},  # post-import hooks and their finder
@@ -146,8 +146,10 @@ ROOMS = {
         "shim.ranges",
         "shim.catalogue",
     },  # fmt: skip
-    # the first-step audit: at a model's first optimizer step, lost gradients and checkpointing named
-    "shim.audit": {"shim.importhooks", "shim.settings"},
+    # the first-step audit's findings and their wording: kept, warned, the exit line, what in_effect says
+    "shim.findings": {"shim.settings", "shim.ranges"},
+    # the first-step audit's watch: at a model's first optimizer step, what ran and what got a gradient
+    "shim.audit": {"shim.findings", "shim.importhooks", "shim.settings"},
     "shim.packs": {"shim.catalogue", "shim.settings", "shim.order", "shim.registry"},  # other distributions' records
     "shim.registry": {
         "shim.entry",
