@@ -295,7 +295,7 @@ def causal_lm(model):
 
 def loss_of(model, inputs, call: str):
     """The step's loss. ``model``: ``model(**inputs)``; otherwise the decoder's loop written out, as
-    ``shim.selfcheck.steps.keyword_driven_grads`` does, so that the layers can be called positionally
+    ``tests.steps.keyword_driven_grads`` does, so that the layers can be called positionally
     or with ``hidden_states=`` by keyword, from the embeddings or from ``inputs_embeds`` computed
     before (``embeds``: no hook on the embeddings reaches them, as with ``model(inputs_embeds=...)``)."""
     import torch

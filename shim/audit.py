@@ -3,10 +3,12 @@
 Every bug of the catalogue was silent. What they share is visible at the first step: a module ran
 in the training forward, its parameters are trainable, they got no gradient, and modules after it
 did get theirs (the gradient was cut inside the model's path); or a model asked for gradient
-checkpointing and no layer ran checkpointed. At each optimizer's first step this room names both,
-one warning line per cause, with what the shim knows of the cause. A module that ran after every
-module that got a gradient (a BERT pooler under mean pooling, a head this loss leaves out) is a
-dead-end branch, how models are built: it is named as data (``shim.in_effect``, the report table,
+checkpointing and no layer ran checkpointed. At each optimizer's first step this room (the watch:
+what ran, how, and what got a gradient) tells both, one finding per cause, and ``shim.findings``
+(the findings and their wording, which this module hands on to the tools) keeps and says them: one
+warning line per cause, with what the shim knows of the cause. A module that ran after every module
+that got a gradient (a BERT pooler under mean pooling, a head this loss leaves out) is a dead-end
+branch, how models are built: it is named as data (``shim.in_effect``, the report table,
 ``bug-report``, INFO on the ``shim`` logger), never warned.
 
 How it sees a step, and what it costs (nothing is wrapped on ``nn.Module``):
@@ -40,216 +42,48 @@ How it sees a step, and what it costs (nothing is wrapped on ``nn.Module``):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
-import os
-import re
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType, ModuleType
 from typing import Any, NamedTuple
 
-from . import importhooks, settings
-
-NAME = settings.AUDIT
-#: The patches that fix each cause the audit can tell, for its pointer and "switched off" note.
-FIXES = {
-    "frozen-inputs": ("reentrant-frozen-input-grads",),
-    "keyword-inputs": ("reentrant-keyword-grads",),
-    "not-checkpointed": ("replaced-forward-keeps-checkpointing",),
-}
-CAUSES = {
-    "frozen-inputs": "their layers ran under reentrant checkpointing with no input that requires grad",
-    "keyword-inputs": "their layers ran under reentrant checkpointing, the input that requires grad passed by keyword",
-    "reentrant": "their layers ran under reentrant checkpointing",
-    "cut": "their modules ran before modules that got a gradient, and the gradient stopped before it reached them "
-    "(a detach, a computation under no_grad?)",
-    "dead-end": "their modules ran after every module that got a gradient, and nothing the loss depends on used "
-    "their output (a pooler or head this loss leaves out?)",
-    "not-checkpointed": "gradient checkpointing is on, but no layer ran checkpointed in the first training step "
-    "(a forward replaced after import, a checkpoint function that does not checkpoint?)",
-}
-#: The causes of a reentrant checkpoint's forward, which runs its layer under no_grad.
-REENTRANT = ("frozen-inputs", "keyword-inputs", "reentrant")
-#: Causes said as data only, never warned: a dead-end branch is how models are built, not the family's evidence.
-DATA_ONLY = frozenset({"dead-end"})
-SHOWN_GROUPS = 6  # groups of parameter names one line shows; more are counted
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
-_log = logging.getLogger("shim")
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """One thing the audit names: trainable parameters that got no gradient (``kind`` ``"no-gradient"``),
-    or checkpointing asked for that no layer ran (``"not-checkpointed"``); one cause each."""
-
-    kind: str
-    model: str  # the class of the model audited
-    watched: tuple[str, ...]  # every trainable parameter the audit watched (for the grouping)
-    parameters: tuple[str, ...]  # the parameters named (no-gradient), or the checkpointing layers
-    sizes: tuple[int, ...]  # how many numbers each of those parameters holds (0s for not-checkpointed)
-    cause: str  # a key of CAUSES: what the audit saw of the parameters' modules
-    patches: tuple[str, ...]  # the patches that fix that cause
-    switched_off: tuple[str, ...]  # those of them switched off here (SHIM_DISABLE, shim.disable, ...)
-
-    @property
-    def warns(self) -> bool:
-        """Whether it is the family's evidence (a ``ShimWarning``), not data only (a dead-end branch)."""
-        return self.cause not in DATA_ONLY
-
-    def line(self) -> str:
-        """The warning line: what, grouped, why, and where to read more."""
-        if self.kind == "no-gradient":
-            what = (
-                f"{len(self.parameters)} trainable tensor(s) of {self.model} got no gradient in the first "
-                f"training step: {grouped(self.parameters, dict(zip(self.parameters, self.sizes)), self.watched)}"
-            )
-        else:
-            what = f"{self.model} checkpoints {len(self.parameters)} layer(s) ({grouped(self.parameters)})"
-        why = CAUSES[self.cause]
-        pointers = self.switched_off or self.patches  # a patch switched off is the likelier cause
-        if self.switched_off:
-            why += f"; {', '.join(self.switched_off)} fixes this and is switched off here"
-        elif self.patches:
-            why += f"; {', '.join(self.patches)} is on and did not cover it (python -m shim bug-report)"
-        more = "".join(f"; python -m shim explain {name}" for name in pointers)
-        return f"hf-train-shim first-step audit: {what}; {why}{more} (SHIM_DISABLE={NAME} for no audit)"
-
-    def as_dict(self) -> dict[str, Any]:
-        """The finding as plain data (``json.dumps`` takes it), its line and whether it warns included."""
-        return {**dataclasses.asdict(self), "warns": self.warns, "line": self.line()}
-
-
-def grouped(names: Iterable[str], sizes: Mapping[str, int] | None = None, watched: Iterable[str] = ()) -> str:
-    """``model.layers.{0..31}.mlp.down_proj.lora_A.weight: 32 tensors, 1.0 M parameters``: names alike
-    but for their numbers as one group (the first :data:`SHOWN_GROUPS`, the rest counted). A module
-    none of whose ``watched`` parameters got a gradient is named once, ``model.layers.{1..2}.*``."""
-    names = list(names)
-    whole = _whole_modules(names, list(watched))
-    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name in names:
-        shown_as = whole.get(name, name)
-        groups.setdefault(_NUMBER.sub("#", shown_as), []).append(
-            (name, tuple(int(n) for n in _NUMBER.findall(shown_as)))
-        )
-    shown = []
-    for pattern, members in list(groups.items())[:SHOWN_GROUPS]:
-        text = pattern
-        for column in zip(*(numbers for _, numbers in members)):
-            text = text.replace("#", _span(sorted(set(column))), 1)
-        if sizes is not None:
-            count = sum(sizes.get(name, 0) for name, _ in members)
-            text += f": {len(members)} tensor(s), {_amount(count)} parameters"
-        shown.append(text)
-    rest = len(groups) - len(shown)
-    return "; ".join(shown) + (f"; and {rest} more group(s)" if rest > 0 else "")
-
-
-def _whole_modules(names: list[str], watched: list[str]) -> dict[str, str]:
-    """name -> ``prefix.*`` for the outermost numbered module (a layer of a list) whose watched
-    parameters are all in ``names``."""
-    if not watched:
-        return {}
-    lost = set(names)
-    out = {}
-    for name in names:
-        parts = name.split(".")
-        for cut in range(1, len(parts) - 1):
-            if not parts[cut - 1].isdigit():
-                continue
-            prefix = ".".join(parts[:cut]) + "."
-            if all(other in lost for other in watched if other.startswith(prefix)):
-                out[name] = prefix + "*"
-                break
-    return out
-
-
-def _span(numbers: list[int]) -> str:
-    if len(numbers) == 1:
-        return str(numbers[0])
-    if numbers == list(range(numbers[0], numbers[-1] + 1)):
-        return f"{{{numbers[0]}..{numbers[-1]}}}"
-    return "{" + ",".join(map(str, numbers)) + "}"
-
-
-def _amount(count: int) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return str(count)
-
-
-# -- what the audits found -------------------------------------------------------------------------
-
-#: Every finding of this process's audits, in order (the exit line, the report table, bug-report).
-found: list[Finding] = []
-#: Notes on audits that could not run (DeepSpeed ZeRO, torch.compile), said once each.
-notes: list[str] = []
-_audited: weakref.WeakKeyDictionary[Any, tuple[Finding, ...]] = weakref.WeakKeyDictionary()
-_compiled: weakref.WeakSet[Any] = weakref.WeakSet()  # modules whose watch torch.compile ended
-_is_on: Callable[[str], bool] = lambda name: True  # noqa: E731  (the registry's, given by install())
-_compile_wraps = False  # torch.compile(module) was called in this process: no global hook from then on
-_COMPILED = f"hf-train-shim {NAME}: not run on a model whose first step torch.compile compiles"
-_ZERO = f"hf-train-shim {NAME}: not run under DeepSpeed ZeRO, whose gradients are partitioned"
-_REPLACED = (
-    f"hf-train-shim {NAME}: not run on an optimizer whose parameters were replaced after it was made "
-    "(DeepSpeed's or FSDP's flat parameters)"
+from . import findings, importhooks, settings
+from .findings import (  # the tools and the tests read the findings through shim.audit
+    CAUSES,
+    FIXES,
+    NAME,
+    Finding,
+    exit_line,
+    findings_of,
+    found,
+    grouped,
+    notes,
+    said_of,
 )
 
+__all__ = [
+    "CAUSES",
+    "FIXES",
+    "NAME",
+    "Finding",
+    "audit_first_step",
+    "audited",
+    "exit_line",
+    "findings_of",
+    "found",
+    "grouped",
+    "install",
+    "notes",
+    "said_of",
+    "uninstall",
+]
 
-def _related(model: Any, other: Any) -> bool:
-    """Whether ``model`` is ``other``, or one of them is inside the other."""
-    return model is other or any(m is model for m in other.modules()) or any(m is other for m in model.modules())
-
-
-def findings_of(model: Any) -> tuple[Finding, ...] | None:
-    """The automatic audit's findings on ``model`` (or on the model it was run on, inside which
-    ``model`` is, or which is inside ``model``); ``None`` where no audit ran on it yet."""
-    for audited, findings in list(_audited.items()):
-        if _related(model, audited):
-            return findings
-    return None
-
-
-def said_of(model: Any) -> tuple[str, ...]:
-    """What ``shim.in_effect(model)`` says of the audit: its findings' lines, or whether it ran."""
-    if switched_off():
-        return (f"first-step audit: switched off (SHIM_DISABLE names {NAME} or all)",)
-    findings = findings_of(model)
-    if findings is None:
-        if any(_related(model, compiled) for compiled in list(_compiled)):
-            return ("first-step audit: not run on it: torch.compile compiles it (compiled code is not audited)",)
-        return ("first-step audit: not run on it yet (it runs at its optimizer's first step)",)
-    return tuple(f.line() for f in findings) or ("first-step audit: nothing named at its first step",)
-
-
-def exit_line() -> str:
-    """One line for the exit report where an audit warned; ``""`` where none did (data only is not said)."""
-    warned = [f for f in found if f.warns]
-    if not warned:
-        return ""
-    said = [
-        f"{f.model}: {len(f.parameters)} trainable tensor(s) got no gradient"
-        if f.kind == "no-gradient"
-        else f"{f.model}: checkpointing on, no layer ran checkpointed"
-        for f in warned
-    ]
-    return f"hf-train-shim first-step audit: {'; '.join(said)} (the warning says which and why)"
-
-
-def switched_off() -> bool:
-    """Whether ``SHIM_DISABLE`` names the audit (or all): read as the settings read it, without warnings."""
-    names = {settings.canonical(item) for item in os.environ.get("SHIM_DISABLE", "").split(",")}
-    return bool(names & (settings.ALL | {NAME}))
-
-
-def _note(note: str) -> None:
-    if note not in notes:
-        notes.append(note)
-        _log.info(note)
+_is_on: Callable[[str], bool] = lambda name: True  # noqa: E731  (the registry's, given by install())
+_compile_wraps = False  # torch.compile(module) was called in this process: no global hook from then on
 
 
 # -- installing --------------------------------------------------------------------------------------
@@ -259,7 +93,7 @@ def install(is_on: Callable[[str], bool]) -> None:
     """Watch optimizers as they are made (``torch.optim.optimizer`` has just been imported):
     ``is_on(name)`` tells whether a patch is on, for the cause a finding gives."""
     global _is_on
-    if switched_off():
+    if settings.audit_switched_off():
         return
     _is_on = is_on
     _pass_through(sys.modules["torch.optim.optimizer"].Optimizer, _made)
@@ -308,7 +142,7 @@ def _watch_compiled_modules(eval_frame: ModuleType) -> None:
 def _wrapped_by_compile(compiled: Any) -> None:
     global _compile_wraps
     _compile_wraps = True
-    _compiled.add(compiled._orig_mod)
+    findings.ended_by_compile(compiled._orig_mod)
     _compiling()
 
 
@@ -316,7 +150,7 @@ def _compiling(args: object = None) -> None:
     """torch.compile starts (dynamo's start callback, a module wrapped): every watch ends before dynamo
     traces a hook of it (its guards would see the hooks go, and compile again)."""
     if _Watch.waiting or _Tracker.live:
-        _note(_COMPILED)
+        findings.note(findings.COMPILED)
     for watch in list(_Watch.waiting):
         watch.end(compiled=True)
     for tracker in list(_Tracker.live.values()):
@@ -328,16 +162,14 @@ def _compiling(args: object = None) -> None:
 def _made(optimizer: Any) -> None:
     """An optimizer was made: watch its first step, unless the audit is switched off now."""
     try:
-        if not switched_off():
+        if not settings.audit_switched_off():
             _Watch.start(optimizer)
     except Exception as exc:  # the audit never breaks training
         _failed(exc)
 
 
 def _failed(exc: Exception) -> None:
-    if settings.flag("SHIM_STRICT"):
-        raise settings.PatchError(f"{NAME} failed: {exc!r}") from exc
-    settings.warn_once(f"hf-train-shim {NAME} failed, nothing audited: {exc!r}")
+    settings.strict_or_warn(f"hf-train-shim {NAME} failed, nothing audited: {exc!r}", exc)
 
 
 def _in_reentrant_forward() -> bool:
@@ -601,7 +433,9 @@ class _Watch:
             if held:
                 watch.adopt(tracker, held)
         if watch.uncovered and _compile_wraps:  # a compiled module's call would warn of a global hook
-            _log.debug("%s: an optimizer made after torch.compile(module) is audited over modules found only", NAME)
+            logging.getLogger("shim").debug(
+                "%s: an optimizer made after torch.compile(module) is audited over modules found only", NAME
+            )
             watch.uncovered.clear()
         if watch.uncovered:
             cls.waiting.append(watch)
@@ -694,14 +528,14 @@ class _Watch:
             if parameters:
                 audits = audited(self.trackers, parameters)
             else:  # ZeRO's flat partitions in place of the model's parameters
-                _note(_REPLACED)
+                findings.note(findings.REPLACED)
                 audits = []
         except Exception as exc:
             self.end()
             _failed(exc)
             return
         self.end()
-        publish(audits)
+        findings.publish(audits)
 
     def end(self, compiled: bool = False) -> None:
         """This optimizer's watch is over (its step, torch.compile, or the optimizer gone): its step hook
@@ -715,7 +549,7 @@ class _Watch:
         for tracker in self.trackers:
             root = tracker.root()
             if compiled and root is not None:
-                _compiled.add(root)
+                findings.ended_by_compile(root)
             if self in tracker.watches:
                 tracker.watches.remove(self)
             if not tracker.watches:
@@ -736,7 +570,7 @@ def audited(trackers: list[_Tracker], parameters: list[Any]) -> list[tuple[Any, 
         if root is None:
             continue
         if "deepspeed" in sys.modules and _under_deepspeed(root):
-            _note(_ZERO)
+            findings.note(findings.ZERO)
             continue
         live.append((tracker, root))
     found_in: dict[int, list[Finding]] = {id(root): [] for _, root in live}
@@ -748,7 +582,9 @@ def audited(trackers: list[_Tracker], parameters: list[Any]) -> list[tuple[Any, 
             if layers:
                 names = {id(m): name for name, m in root.named_modules()}
                 shown = tuple(names[key] for key in layers if key in names)
-                finding = _finding("not-checkpointed", tracker.name, (), shown, (0,) * len(shown), "not-checkpointed")
+                finding = Finding.of(
+                    "not-checkpointed", tracker.name, (), shown, (0,) * len(shown), "not-checkpointed", _is_on
+                )
                 found_in[id(root)].append(finding)
     return [(root, tuple(found_in[id(root)])) for _, root in live]
 
@@ -775,10 +611,13 @@ def _by_cause(
     lost: list[Any], causes: dict[int, str], names: dict[int, str], watched: tuple[str, ...], model: str
 ) -> Iterator[Finding]:
     for cause in CAUSES:
-        named = sorted(((names[id(p)], p.numel()) for p in lost if causes[id(p)] == cause), key=_key)
+        named = sorted(
+            ((names[id(p)], p.numel()) for p in lost if causes[id(p)] == cause),
+            key=lambda item: findings.natural(item[0]),
+        )
         if named:
             shown, sizes = tuple(n for n, _ in named), tuple(s for _, s in named)
-            yield _finding("no-gradient", model, watched, shown, sizes, cause)
+            yield Finding.of("no-gradient", model, watched, shown, sizes, cause, _is_on)
 
 
 class _Run(NamedTuple):
@@ -811,10 +650,10 @@ def _causes(lost: list[Any], ran: dict[int, _Run], latest: int) -> dict[int, str
     for p in lost:
         run = ran[id(p)]
         causes[id(p)] = run.how if run.how != "grad" else "cut" if run.place < latest else "dead-end"
-    chain = sorted((ran[id(p)].place, causes[id(p)]) for p in lost if causes[id(p)] in REENTRANT)
+    chain = sorted((ran[id(p)].place, causes[id(p)]) for p in lost if causes[id(p)] in findings.REENTRANT)
     if chain:
         for p in lost:
-            if causes[id(p)] in REENTRANT or (causes[id(p)] == "cut" and ran[id(p)].place < chain[-1][0]):
+            if causes[id(p)] in findings.REENTRANT or (causes[id(p)] == "cut" and ran[id(p)].place < chain[-1][0]):
                 causes[id(p)] = chain[0][1]
     return causes
 
@@ -835,56 +674,8 @@ def _names(roots: list[tuple[_Tracker, Any]], parameters: list[Any]) -> tuple[di
             prefix = f"{tracker.name}." + (f"{place}." if counts[tracker.name] > 1 else "")
         for name, p in root.named_parameters():
             names.setdefault(id(p), prefix + name)
-    watched = tuple(sorted((names[id(p)] for p in parameters if id(p) in names), key=_natural))
+    watched = tuple(sorted((names[id(p)] for p in parameters if id(p) in names), key=findings.natural))
     return names, watched
-
-
-def publish(audits: list[tuple[Any, tuple[Finding, ...]]]) -> None:
-    """Keep what an audit found, and say it: a warning for the family's evidence, INFO for data only;
-    a line said already (another optimizer over the same model) is not said again."""
-    for root, findings in audits:
-        _audited[root] = (*_audited.get(root, ()), *findings)
-        for finding in findings:
-            line = finding.line()
-            if any(f.line() == line for f in found):
-                continue
-            found.append(finding)
-            if finding.warns:
-                _warn(line)
-            else:
-                _log.info(line)
-
-
-def _finding(
-    kind: str,
-    model: str,
-    watched: tuple[str, ...],
-    names: tuple[str, ...],
-    sizes: tuple[int, ...],
-    cause: str,
-) -> Finding:
-    patches = FIXES.get(cause, ())
-    off = tuple(name for name in patches if not _is_on(name))
-    return Finding(kind, model, watched, names, sizes, cause, patches, off)
-
-
-#: Frames a finding's warning is not attributed to: the libraries between the user's step and the audit.
-_LIBRARIES = tuple(f"{os.sep}{name}{os.sep}" for name in ("shim", "torch", "accelerate", "transformers", "trl", "peft"))
-
-
-def _warn(message: str) -> None:
-    """``message`` as a ShimWarning (and to the ``shim`` logger), pointed at the user's step line; where
-    a filter makes it an error (``-W error``), on the logger alone: never raised into the step."""
-    import warnings
-
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    _log.warning(message)
-    try:
-        warnings.warn(message, settings.ShimWarning, stacklevel=level)
-    except Warning:
-        pass  # said on the logger above, and in the exit line
 
 
 def _under_deepspeed(root: Any) -> bool:
@@ -894,14 +685,6 @@ def _under_deepspeed(root: Any) -> bool:
 
 def _requires_grad(values: Iterable[Any]) -> bool:
     return any(getattr(value, "requires_grad", False) is True for value in values)
-
-
-def _natural(name: str) -> list[Any]:
-    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
-
-
-def _key(item: tuple[str, int]) -> list[Any]:
-    return _natural(item[0])
 
 
 # -- the public call -----------------------------------------------------------------------------------
@@ -938,7 +721,7 @@ def audit_first_step(model: Any, batch: Any, loss: Callable[[Any], Any] | None =
             if value is None:
                 raise TypeError("audit_first_step(): the output has no .loss; pass loss=lambda output: ...")
             value.backward()
-        return [finding for _, findings in audited([tracker], trainable) for finding in findings]
+        return [finding for _, found_in in audited([tracker], trainable) for finding in found_in]
     finally:
         tracker.end()
         for p, grad in zip(trainable, grads):

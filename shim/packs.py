@@ -387,8 +387,5 @@ def _say(message: str) -> None:
     ``SHIM_DISABLE=all`` switches the shim off. Kept for the registry being loaded, either way."""
     if _said is not None and message not in _said:
         _said.append(message)
-    if settings.all_disabled():
-        return
-    if settings.flag("SHIM_STRICT"):
-        raise settings.PatchError(f"{message} (SHIM_STRICT=1)")
-    settings.warn_once(message)
+    if not settings.all_disabled():
+        settings.strict_or_warn(message)

@@ -1,9 +1,14 @@
-"""How a version range is written for people: one way, wherever the shim shows one.
+"""How a range is written for people: one way, wherever the shim shows one.
 
-``packaging`` prints a ``SpecifierSet`` sorted as text (``<5.23,>=5.16``); a person writes the lower
-bound first (``>=5.16,<5.23``). The status reasons, ``python -m shim``, doctor, the exit report and
-the compatibility tables all print a range through :func:`version_range`, and the patches declare
-theirs in that form (``tests/tools/test_ranges.py``), so a range reads the same everywhere.
+A version range: ``packaging`` prints a ``SpecifierSet`` sorted as text (``<5.23,>=5.16``); a person
+writes the lower bound first (``>=5.16,<5.23``). The status reasons, ``python -m shim``, doctor, the
+exit report and the compatibility tables all print a range through :func:`version_range`, and the
+patches declare theirs in that form (``tests/tools/test_ranges.py``), so a range reads the same
+everywhere.
+
+A run of numbers: ``0-3`` (:func:`runs`), for the layers ``shim.in_effect`` lists, the ranks and Ray
+workers of the exit report, and the first-step audit's parameter names (``model.layers.{0..3}``,
+in braces and with ``..`` there, since the run sits inside a dotted name).
 
 Standard library only: ``import shim`` may load it, and nothing here needs ``packaging``.
 """
@@ -11,6 +16,7 @@ Standard library only: ``import shim`` may load it, and nothing here needs ``pac
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 # Lower bounds and pins first, then upper bounds, then exclusions (``>=5.16,<5.23,!=5.20.1``).
 _ORDER = {"===": 0, "==": 0, "~=": 0, ">=": 0, ">": 0, "<=": 1, "<": 1, "!=": 2}
@@ -41,3 +47,15 @@ def _release(version: str) -> tuple[int, ...]:
             break
         numbers.append(int(digits.group()))
     return tuple(numbers)
+
+
+def runs(numbers: Iterable[int], to: str = "-") -> list[str]:
+    """``numbers`` in the order given, each run of consecutive ones written ``first{to}last`` and a
+    number alone as itself: ``[0, 1, 2, 3, 5]`` -> ``["0-3", "5"]``. Sort them first for a set."""
+    spans: list[list[int]] = []  # [first, last] of each run
+    for number in numbers:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return [str(first) if first == last else f"{first}{to}{last}" for first, last in spans]

@@ -259,8 +259,9 @@ def _misplaced(refusal: order.Refusal) -> str:
 
 def unknown(name: object, known: list[str]) -> str:
     """A short message for a patch name that is not known, with the closest known names."""
-    if isinstance(name, str) and settings.canonical(name) == settings.AUDIT:  # SHIM_DISABLE takes it too
-        return settings.AUDIT_IS_NO_PATCH
+    said = settings.not_a_patch(name) if isinstance(name, str) else None  # the audit's: SHIM_DISABLE takes it
+    if said is not None:
+        return said
     shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:36] + "...'"
     head = f"no patch named {shown}; "
     return head + settings.did_you_mean(str(name), known, width=88 - len(head))

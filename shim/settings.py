@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from types import FrameType
 
 
@@ -39,10 +39,9 @@ FALSE = frozenset({"", "0", "false", "no", "off"})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: What ``SHIM_PROBE`` takes, the default first: when a patch's bug probe is asked (``shim.probing``).
 PROBE_MODES = ("auto", "always", "never")
-#: The first-step audit's name (``shim.audit``): switched off like a patch, by ``SHIM_DISABLE``.
+#: The first-step audit's name (``shim.audit``). It lives here because ``SHIM_DISABLE``, read here
+#: alone, takes it beside the patches' names: the one name it takes that no patch has.
 AUDIT = "first-step-audit"
-#: What is said where the audit's name is given as a patch's (``shim.disable``, ``python -m shim explain``).
-AUDIT_IS_NO_PATCH = f"the first-step audit is no patch: SHIM_DISABLE={AUDIT} switches it off"
 #: How a patch is named: lower-case words joined by ``-`` (``checkpointing-restore``).
 PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 # Frames a warning must not be attributed to: the shim's own (a patch is applied from inside the
@@ -50,36 +49,53 @@ PATCH_NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _OWN_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 _NOT_THE_CALLER = (_OWN_DIRECTORY + os.sep, os.sep + "wrapt" + os.sep, os.sep + "importlib" + os.sep)
 
-_warned: set[str] = set()
+_warned: set[Hashable] = set()  # what warn_once said: the messages, or the keys it was given
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel(libraries: Iterable[str] = ()) -> int:
     """The ``stacklevel`` that points a warning issued by the caller of this function at the first
-    frame outside the shim, wrapt and importlib: the user's ``import shim``, ``import transformers``
-    or ``shim.enable(...)`` line.
+    frame outside the shim, wrapt, importlib and the ``libraries`` named (top-level packages: the
+    first-step audit skips those between a user's training step and itself, ``torch``,
+    ``transformers``, ...): the user's ``import shim``, ``import transformers``,
+    ``shim.enable(...)`` or ``optimizer.step()`` line.
 
     Frames are counted the way :func:`warnings.warn` counts them: it skips importlib's
     ``_bootstrap`` frames by itself.
     """
+    skipped = (*_NOT_THE_CALLER, *(f"{os.sep}{name}{os.sep}" for name in libraries))
     frame: FrameType | None = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
     level = 1
     while frame is not None:
         filename = frame.f_code.co_filename
         if not ("importlib" in filename and "_bootstrap" in filename):
-            if not any(part in filename for part in _NOT_THE_CALLER):
+            if not any(part in filename for part in skipped):
                 return level
             level += 1
         frame = frame.f_back
     return level
 
 
-def warn_once(message: str) -> None:
-    """Warn about a configuration problem once per process, pointing at the user's code."""
-    if message in _warned:
+def warn_once(message: str, once: Hashable = None) -> None:
+    """Warn about a configuration problem once per process, pointing at the user's code: once per
+    ``message``, or per ``once`` where given (a problem whose message names a changing detail)."""
+    key = message if once is None else once
+    if key in _warned:
         return
-    _warned.add(message)
+    _warned.add(key)
     logging.getLogger("shim").warning(message)
-    warnings.warn(message, ShimWarning, stacklevel=_user_stacklevel())
+    warnings.warn(message, ShimWarning, stacklevel=user_stacklevel())
+
+
+def strict_or_warn(message: str, cause: BaseException | None = None, once: Hashable = None) -> None:
+    """A problem the shim works around (a patch pack left out, a step or the audit that failed): under
+    ``SHIM_STRICT=1`` a :class:`PatchError` (``message (SHIM_STRICT=1)``, raised from ``cause``), else
+    one warning (:func:`warn_once`, per ``once`` where given)."""
+    if flag("SHIM_STRICT"):
+        error = PatchError(f"{message} (SHIM_STRICT=1)")
+        if cause is None:
+            raise error
+        raise error from cause
+    warn_once(message, once)
 
 
 def canonical(name: str) -> str:
@@ -138,6 +154,17 @@ def _warn_each(items: list[str], one: Callable[[str], str], many: Callable[[str]
         warn_once(many(f"{quoted} and {len(items) - QUOTED} more"))
 
 
+def _items(variable: str) -> list[tuple[str, str]]:
+    """The items of the comma-separated list in ``variable``, each as written and as read (a patch's
+    name as :func:`canonical` writes it, or a word of :data:`ALL`); empty items and the words of
+    :data:`NONE` are nothing. The one reading of ``SHIM_DISABLE`` and ``SHIM_FORCE``."""
+    raw = os.environ.get(variable, "")
+    if not raw.strip():  # the usual case, asked once per patch at each decision: no list to build
+        return []
+    items = ((part.strip(), canonical(part)) for part in raw.split(","))
+    return [(item, name) for item, name in items if name not in NONE]
+
+
 def _names(
     variable: str, known: Iterable[str], *, allow_all: bool, also: Iterable[str] = ()
 ) -> tuple[bool, frozenset[str]]:
@@ -149,8 +176,8 @@ def _names(
     not a known name gets a warning; more than :data:`QUOTED` of a kind get one warning together.
     ``also``: names it takes besides the patches' (the audit's), not listed among the patches.
     """
-    raw = os.environ.get(variable, "")
-    if not raw.strip():  # the usual case, asked once per patch at each decision: no list to build
+    items = _items(variable)
+    if not items:
         return False, frozenset()
     known = sorted(known)
     names = ", ".join(known)
@@ -159,17 +186,13 @@ def _names(
     refused: list[str] = []  # 'all' where it is not accepted
     unknown: list[str] = []  # patch names that no patch has
     malformed: list[str] = []  # no patch names at all
-    for part in raw.split(","):
-        item = part.strip()
-        if item.lower() in NONE:
-            continue
-        if item.lower() in ALL:
+    for item, name in items:
+        if name in ALL:
             if allow_all:
                 everything = True
             else:
                 refused.append(item)
             continue
-        name = canonical(item)
         if name in accepted:
             found.add(name)
         else:
@@ -200,7 +223,22 @@ def _names(
 def all_disabled() -> bool:
     """Whether ``SHIM_DISABLE`` switches every patch off (``all``, alone or in a list), read as
     :func:`read` reads it but without a warning: the shim is off, and says nothing."""
-    return any(part.strip().lower() in ALL for part in os.environ.get("SHIM_DISABLE", "").split(","))
+    return any(name in ALL for _, name in _items("SHIM_DISABLE"))
+
+
+def audit_switched_off() -> bool:
+    """Whether ``SHIM_DISABLE`` switches the first-step audit off (names :data:`AUDIT`, or all), read
+    as :func:`read` reads it. A bad value is warned about by :func:`read`, at ``import shim`` (the
+    registry reads the settings as it activates each patch), not again each time the audit asks."""
+    return any(name in ALL or name == AUDIT for _, name in _items("SHIM_DISABLE"))
+
+
+def not_a_patch(name: str) -> str | None:
+    """What is said where a name that ``SHIM_DISABLE`` takes but no patch has is given as a patch's
+    (``shim.disable``, ``python -m shim explain``): the audit's; ``None`` for any other name."""
+    if canonical(name) == AUDIT:
+        return f"the first-step audit is no patch: SHIM_DISABLE={AUDIT} switches it off"
+    return None
 
 
 def flag(variable: str) -> bool:

@@ -27,7 +27,7 @@ from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, cast
 
 from shim import record_effect
-from shim.settings import PatchError, flag, warn_once
+from shim.settings import strict_or_warn
 
 if TYPE_CHECKING:
     from shim.runtime import Switch
@@ -155,9 +155,6 @@ class LayerCheckpoint(functools.partial[Any]):
         return copy.deepcopy(self.given, memo)
 
 
-_failed: set[tuple[str, str]] = set()  # (patch, when) warned about
-
-
 def step_failed(name: str, when: str, error: Exception) -> None:
     """Patch ``name``'s step raised ``error`` (``when``): one ``ShimWarning`` per patch and moment,
     a ``PatchError`` under ``SHIM_STRICT=1``. The caller carries on without the step."""
@@ -165,11 +162,7 @@ def step_failed(name: str, when: str, error: Exception) -> None:
         f"patch {name!r}: its checkpointing step raised {type(error).__name__}: {error} {when}; the "
         f"layer keeps the function it was given, without this fix (SHIM_DISABLE={name} turns it off)"
     )
-    if flag("SHIM_STRICT"):
-        raise PatchError(f"{message} (SHIM_STRICT=1)") from error
-    if (name, when) not in _failed:
-        _failed.add((name, when))
-        warn_once(message)
+    strict_or_warn(message, error, once=("step failed", name, when))
 
 
 eager(LayerCheckpoint.__call__)

@@ -122,9 +122,9 @@ def stderr_with(hide: Callable[[str], str]) -> Iterator[None]:
 
 def first_step_audit() -> str:
     """The audit's state here, and what it named in this process (a run's own lines are in its log)."""
-    from .. import audit
+    from .. import audit, settings
 
-    if audit.switched_off():
+    if settings.audit_switched_off():
         return f"Switched off (`SHIM_DISABLE` names `{audit.NAME}` or `all`)."
     said = [finding.line() for finding in audit.found] + audit.notes
     named = "\n\n```text\n" + "\n".join(said) + "\n```" if said else ""

@@ -265,11 +265,12 @@ def _command(argv: list[str]) -> int:
 
 def _known(args: argparse.Namespace, shim: ModuleType, given: str) -> str:
     """``given`` as the registry names it, or the command's usage error."""
-    from ..settings import AUDIT, AUDIT_IS_NO_PATCH, canonical
+    from ..settings import canonical, not_a_patch
 
     name = canonical(given)
-    if name == AUDIT:
-        args.parser.error(AUDIT_IS_NO_PATCH)
+    said = not_a_patch(name)  # the audit's: SHIM_DISABLE takes it
+    if said is not None:
+        args.parser.error(said)
     if name not in shim.registry.names:
         args.parser.error(f"no patch named {shown(given)}; {did_you_mean(name, shim.registry.names)}")
     return name

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ..catalogue import PROVIDER as BUILTIN
 from ..entry import APPLIED
+from ..ranges import runs
 
 if TYPE_CHECKING:
     from ..records import PatchStatus
@@ -234,25 +235,24 @@ def view_text(view: Any) -> str:
 
 
 def spans(names: Iterable[str]) -> str:
-    """``model.layers.0-3, lm_head``: consecutive numbered names of one parent written as a span."""
+    """``model.layers.0-3, lm_head``: the numbered names of one parent in a row, each run of
+    consecutive numbers written as one (:func:`shim.ranges.runs`)."""
     out: list[str] = []
-    run: list[tuple[str, int]] = []
+    prefix = ""  # the parent of the numbered names in this row
+    numbers: list[int] = []  # their numbers
 
     def flush() -> None:
-        if run:
-            prefix, first, last = run[0][0], run[0][1], run[-1][1]
-            out.append(f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}")
-            run.clear()
+        out.extend(prefix + run for run in runs(numbers))
+        numbers.clear()
 
     for name in names:
         match = _NUMBERED.match(name)
-        if match and run and run[-1][0] == match.group(1) and run[-1][1] + 1 == int(match.group(2)):
-            run.append((match.group(1), int(match.group(2))))
-            continue
-        flush()
-        if match:
-            run.append((match.group(1), int(match.group(2))))
-        else:
+        if match is None or match.group(1) != prefix:
+            flush()
+        if match is None:
             out.append(name)
+        else:
+            prefix = match.group(1)
+            numbers.append(int(match.group(2)))
     flush()
     return ", ".join(out)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..ranges import runs
 from . import processes, ranks, rayjobs, workers
 from .render import Row, effects_table, idle_group
 
@@ -74,21 +75,11 @@ def acted_line(
 
 
 def rank_list(ranks: Iterable[int], noun: str = "rank") -> str:
-    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2`` (runs of two or more as a span); ``noun``: what is
-    numbered (``ray worker``)."""
+    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2``, ``ranks 0-1, 3``: the numbers in order, each run of
+    two or more consecutive ones as a span (:func:`shim.ranges.runs`); ``noun``: what is numbered
+    (``ray worker``)."""
     numbers = sorted(set(ranks))
-    spans: list[str] = []
-    start = 0
-    while start < len(numbers):
-        end = start
-        while end + 1 < len(numbers) and numbers[end + 1] == numbers[end] + 1:
-            end += 1
-        if end - start >= 1:
-            spans.append(f"{numbers[start]}-{numbers[end]}")
-        else:
-            spans.append(str(numbers[start]))
-        start = end + 1
-    return f"{noun if len(numbers) == 1 else noun + 's'} {', '.join(spans)}"
+    return f"{noun if len(numbers) == 1 else noun + 's'} {', '.join(runs(numbers))}"
 
 
 def ray_names(records: Sequence[dict[str, Any]]) -> str:

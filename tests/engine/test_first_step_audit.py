@@ -555,6 +555,53 @@ def test_an_audit_that_warnings_make_errors_goes_to_the_logger_never_into_the_st
     assert finding.line() in caplog.text
 
 
+def test_the_warning_points_at_the_users_step_past_the_libraries_between():
+    """Past the shim's frames and torch's (the optimizer's step hooks): the user's ``step()`` line."""
+    torch.manual_seed(0)
+
+    class CutToo(Routed):  # a line of its own: a line said already is not said again
+        def forward(self, x, expert=0):
+            return self.experts[expert](self.trunk(x).detach())
+
+    model = CutToo()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        optimizer.step()
+    [warning] = [w for w in caught if w.category is shim.ShimWarning]
+    assert (warning.filename, warning.lineno) == (__file__, line), str(warning.message)
+
+
+def test_an_audit_that_fails_warns_once_and_the_step_goes_on_or_raises_under_strict_mode(monkeypatch):
+    """The engine's policy for a part of the shim that fails: one ``ShimWarning`` (the step and
+    training go on, every hook off), a ``shim.PatchError`` under ``SHIM_STRICT=1``."""
+    from shim import settings
+
+    def broken(trackers, parameters):
+        raise RuntimeError("the audit broke")
+
+    monkeypatch.setattr(audit, "audited", broken)
+    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.delenv("SHIM_STRICT", raising=False)
+    said = "hf-train-shim first-step-audit failed, nothing audited: RuntimeError('the audit broke')"
+    models = [Routed() for _ in range(3)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    for model in models:
+        model(torch.randn(2, 4)).sum().backward()
+    before = models[0].trunk.weight.detach().clone()
+    with pytest.warns(shim.ShimWarning) as caught:
+        optimizers[0].step()
+        optimizers[1].step()  # fails the same way: said once
+    assert [str(w.message) for w in caught] == [said]
+    assert not torch.equal(models[0].trunk.weight, before), "the step went on"
+    monkeypatch.setenv("SHIM_STRICT", "1")
+    with pytest.raises(shim.PatchError, match=r"nothing audited: RuntimeError\('the audit broke'\) \(SHIM_STRICT=1\)"):
+        optimizers[2].step()
+    assert hooks_left(*models) == 0
+
+
 def test_the_audit_holds_nothing_alive_after_its_step():
     """An optimizer over the head alone, one step, the model dropped: its layers are freed while the
     optimizer lives on (nothing of the audit holds the model, a module or the optimizer)."""

@@ -103,6 +103,19 @@ def test_empty_items_of_a_list_are_ignored_everywhere(monkeypatch, value, names)
     assert (config.disable_all, config.disabled, config.forced) == (False, names, names)
 
 
+@pytest.mark.parametrize(
+    "value",
+    ["", "first-step-audit", " First_Step_Audit ,", "first-patch", "first-patch,first-step-audit", "all", ",*,", "0"],
+)
+def test_the_audits_switch_and_all_are_read_as_the_settings_read_shim_disable(monkeypatch, value):
+    """``SHIM_DISABLE`` has one reader: the audit's switch and ``all`` (the packs' silence) answer as
+    :func:`settings.read` does, which alone warns about a bad value."""
+    monkeypatch.setenv("SHIM_DISABLE", value)
+    config = settings.read(KNOWN)
+    assert settings.audit_switched_off() == (config.disable_all or settings.AUDIT in config.disabled)
+    assert settings.all_disabled() == config.disable_all
+
+
 def test_force_takes_no_all(monkeypatch):
     monkeypatch.setenv("SHIM_FORCE", "all,first-patch")
     with pytest.warns(ShimWarning, match="SHIM_FORCE: 'all' is not accepted, ignored; SHIM_FORCE takes patch names"):

@@ -2,7 +2,7 @@
 configuration a model already has.
 
 Each case runs ``peft.prepare_model_for_kbit_training`` on a tiny Llama flagged as loaded in 4 bit
-(``shim.selfcheck.models.kbit_flagged_llama``), first with the patch off on the installed upstream
+(``tests.tinymodels.kbit_flagged_llama``), first with the patch off on the installed upstream
 release, then with it on. What is compared is what reaches ``torch.utils.checkpoint.checkpoint``: the
 kwargs each checkpointed layer call hands it (a spy on transformers' own ``checkpoint``), each
 module's flag and checkpoint partial, and torch's warning about a missing ``use_reentrant``.

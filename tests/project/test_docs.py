@@ -204,3 +204,38 @@ def test_the_index_of_docs_bugs_lists_every_patch_by_name():
     """One row order everywhere: the index at the top of docs/bugs.md too."""
     rows = re.findall(r"^\| \[`([a-z0-9-]+)`\]\(#", BUGS.read_text(), flags=re.MULTILINE)
     assert rows == sorted(NAMES)
+
+
+def test_the_one_order_section_lists_the_targets_several_patches_wrap():
+    """docs/how-it-works.md's "One order" counts them and names each in its table."""
+    from shim.tools.index import declared
+
+    wrapped_by: dict[str, int] = {}
+    for patch in declared():
+        for target in patch.targets:
+            wrapped_by[target.spec] = wrapped_by.get(target.spec, 0) + 1
+    shared = [spec for spec, patches in wrapped_by.items() if patches > 1]
+    section = (ROOT / "docs" / "how-it-works.md").read_text().split("\n## One order\n", 1)[1].split("\n## ", 1)[0]
+    counted = section.split()[0].lower()
+    numbers = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven"]
+    assert counted in numbers and numbers.index(counted) == len(shared), (counted, shared)
+    assert [spec for spec in shared if f"{spec.partition(':')[2]}`" not in section] == []
+
+
+def test_the_modules_of_the_shims_packages_that_the_project_names_exist():
+    """A module moved or removed (the self-checks' tiny models went to ``tests/tinymodels.py``) leaves
+    no mention behind in the docs, tests and benchmarks; the CHANGELOG's history says what was."""
+    import importlib
+
+    named = re.compile(r"\bshim[./](selfcheck|tools|checkpointing)[./]([A-Za-z_]\w*)")
+    offenders = set()
+    for name in project_files():
+        path = ROOT / name
+        if name == "CHANGELOG.md" or path.suffix not in {".md", ".py", ".toml", ".sh"} or not path.is_file():
+            continue
+        for package, module in named.findall(path.read_text(errors="replace")):
+            folder = ROOT / "shim" / package
+            found = (folder / f"{module}.py").is_file() or (folder / module).is_dir()
+            if not found and not hasattr(importlib.import_module(f"shim.{package}"), module):
+                offenders.add(f"{name}: shim.{package}.{module}")
+    assert sorted(offenders) == []

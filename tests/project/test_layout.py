@@ -104,7 +104,7 @@ ROOMS = {
     # the one order of the parts on a target (Patch.after, Patch.place) and what it must refuse, one
     # function for the index, the packs at import shim and register()
     "shim.order": set(),
-    "shim.ranges": set(),  # how a version range is written
+    "shim.ranges": set(),  # how a version range and a run of numbers are written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
     # switches and the effects ledger, and where a worker's counts go (the exit report's keys, which
     # the front door sets and the tools read: no tool reaches into the front door for them)
@@ -153,8 +153,10 @@ ROOMS = {
         "shim.ranges",
         "shim.catalogue",
     },  # fmt: skip
-    # the first-step audit: at a model's first optimizer step, lost gradients and checkpointing named
-    "shim.audit": {"shim.importhooks", "shim.settings"},
+    # the first-step audit's findings and their wording: kept, warned, the exit line, what in_effect says
+    "shim.findings": {"shim.settings", "shim.ranges"},
+    # the first-step audit's watch: at a model's first optimizer step, what ran and what got a gradient
+    "shim.audit": {"shim.findings", "shim.importhooks", "shim.settings"},
     "shim.packs": {"shim.catalogue", "shim.settings", "shim.order", "shim.registry"},  # other distributions' records
     "shim.registry": {
         "shim.entry",

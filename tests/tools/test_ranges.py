@@ -1,12 +1,13 @@
 """One way to write a version range, lower bound first, wherever the shim shows one: the status reasons,
-the records, doctor, the tables; and the patches declare theirs that way."""
+the records, doctor, the tables; and the patches declare theirs that way. One way to write a run of
+numbers, too: the layers ``shim.in_effect`` lists, the exit report's ranks, the audit's names."""
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
 import shim
 from shim import Registry
-from shim.ranges import version_range
+from shim.ranges import runs, version_range
 from tests.engine.fakes import make_patch
 
 pytestmark = pytest.mark.any_version
@@ -47,3 +48,29 @@ def test_the_status_writes_a_range_as_the_patches_do(fake_modules):
     (record,) = registry.status()
     assert record.requires == f"{pkg}>=1.0,<2"
     assert f"{pkg} 1.2.0 is inside >=1.0,<2" in record.reason
+
+
+@pytest.mark.parametrize(
+    "numbers, written",
+    [
+        ([0, 1, 2, 3], ["0-3"]),
+        ([3], ["3"]),
+        ([0, 2], ["0", "2"]),
+        ([0, 1, 3], ["0-1", "3"]),
+        ([], []),
+        ([3, 2], ["3", "2"]),
+    ],
+)
+def test_a_run_of_numbers_is_written_first_to_last_and_read_the_same_everywhere(numbers, written):
+    """In the order given (a run is consecutive and rising); each caller adds only its punctuation."""
+    from shim import audit
+    from shim.tools import render, report
+
+    assert runs(numbers) == written
+    assert render.spans([f"model.layers.{n}" for n in numbers]) == ", ".join(f"model.layers.{w}" for w in written)
+    if numbers == sorted(set(numbers)) and numbers:
+        assert report.rank_list(numbers) == f"rank{'s' if len(numbers) > 1 else ''} {', '.join(written)}"
+        braced = ",".join(w.replace("-", "..") for w in written)
+        assert (
+            audit.grouped([f"a.{n}.w" for n in numbers]) == f"a.{braced if len(numbers) == 1 else '{' + braced + '}'}.w"
+        )
