@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 LIGER = """
-import importlib, json, pkgutil
+import importlib, importlib.util, json, pkgutil
 import shim, shim.patches
 import transformers.models.llama.modeling_llama as llama
 from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -45,7 +45,7 @@ for info in pkgutil.iter_modules(shim.patches.__path__):
         continue
     patch = getattr(importlib.import_module("shim.patches." + info.name), "PATCH", None)
     specs |= {target.spec for target in getattr(patch, "targets", ())}
-specs = {spec for spec in specs if not spec.startswith("deepspeed.")}
+specs = {spec for spec in specs if importlib.util.find_spec(spec.split(".")[0].split(":")[0])}  # not DeepSpeed's, Ray's
 targets = {spec: resolve(spec) for spec in specs}
 names = dict(vars(llama))
 classes = {name: dict(vars(value)) for name, value in names.items() if isinstance(value, type)}
