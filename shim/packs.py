@@ -325,7 +325,7 @@ def _load(registry: Registry, paths: Iterable[str] | None) -> None:
         _left_out(claimed[name], f"its place in the order cannot hold: {problem}")
     for record in settled.ordered:
         record.note = "; ".join(settled.dropped.get(record.name, ()))
-        registry.register(record, settled=True)
+        registry.register(record, ordered=True)
 
 
 def _claim(record: Listing, taken: Iterable[str], claimed: dict[str, Listing]) -> str | None:

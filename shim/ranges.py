@@ -1,9 +1,13 @@
-"""How a version range is written for people: one way, wherever the shim shows one.
+"""How a version range, and a list of names, are written for people: one way, wherever the shim
+shows one.
 
 ``packaging`` prints a ``SpecifierSet`` sorted as text (``<5.23,>=5.16``); a person writes the lower
 bound first (``>=5.16,<5.23``). The status reasons, ``python -m shim``, doctor, the exit report and
 the compatibility tables all print a range through :func:`version_range`, and the patches declare
 theirs in that form (``tests/tools/test_ranges.py``), so a range reads the same everywhere.
+
+A list of names reads ``a``, ``a and b``, ``a, b and c`` (:func:`and_`): the modules a patch waits
+for, those a bug probe waits for.
 
 Standard library only: ``import shim`` may load it, and nothing here needs ``packaging``.
 """
@@ -41,3 +45,8 @@ def _release(version: str) -> tuple[int, ...]:
             break
         numbers.append(int(digits.group()))
     return tuple(numbers)
+
+
+def and_(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""

@@ -16,7 +16,7 @@ from ..catalogue import PROVIDER as BUILTIN
 from ..entry import APPLIED
 
 if TYPE_CHECKING:
-    from ..records import PatchStatus
+    from ..statuses import PatchStatus
     from .outlook import Outlook
 
 #: Columns a table, report or help text fits, unless the user asks for ``--wide``.
