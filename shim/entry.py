@@ -201,6 +201,10 @@ class Entry:
             self.done_modules -= self.layers.drop_stale(retake)
         if self._opted_out(settings):
             return Progress(None)
+        return self._apply_ready(ready, settings, late)
+
+    def _apply_ready(self, ready: Callable[[str], bool], settings: Settings, late: str | None) -> Progress:
+        """Ask the bug probes due, then apply the targets whose module is ``ready``."""
         todo = self.waiting()
         try:
             now, needed = self._ask_probes([m for m in todo if ready(m)], ready, settings.probe)

@@ -197,12 +197,12 @@ class BugProbe:
 
 
 def needs_of(function: Callable[..., object]) -> tuple[str, ...]:
-    """The modules that the builders ``function`` calls need (a builder says so in its ``needs``,
-    as ``shim.selfcheck.bare``'s do), read from its code: its nested functions and classes, and the
-    functions of its own module it calls, are read too. Only names the code looks up itself are
-    followed (a global, an attribute of a module), so reading them runs nothing."""
-    import dis
-
+    """The modules that the builders ``function`` names take (a builder says so in its ``needs``, as
+    ``shim.selfcheck.bare``'s do), read from the names its code uses: a global of its module, and a
+    name that is an attribute of a module it names (``bare`` and ``model``: ``bare.model``). Its
+    nested functions and classes, and the functions of its own module it names, are read too.
+    Nothing is run; a name that only looks like a builder's (``trainer.model`` beside ``bare``)
+    makes the probe wait for more, never for less."""
     scope = getattr(function, "__globals__", None)
     code = getattr(function, "__code__", None)
     if not isinstance(scope, dict) or not isinstance(code, CodeType):
@@ -215,23 +215,18 @@ def needs_of(function: Callable[..., object]) -> tuple[str, ...]:
             continue
         seen.add(code)
         todo += [const for const in code.co_consts if isinstance(const, CodeType)]
-        named: object = None
-        for instruction in dis.get_instructions(code):
-            named = _looked_up(scope, named, instruction.opname, instruction.argval)
+        for named in _named(scope, code.co_names):
             if isinstance(named, FunctionType) and named.__globals__ is scope:
                 todo.append(named.__code__)  # a helper of the probe's module
             found.update(dict.fromkeys(_needs(named)))
     return tuple(found)
 
 
-def _looked_up(scope: dict[str, Any], previous: object, operation: str, name: object) -> object:
-    """What an instruction that looks a name up finds without running anything: a global of the
-    probe's module, or an attribute of a module found so (``bare.model``); ``None`` for any other."""
-    if operation in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(name, str):
-        return scope.get(name)
-    if operation in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(previous, ModuleType) and isinstance(name, str):
-        return vars(previous).get(name)
-    return None
+def _named(scope: dict[str, Any], names: tuple[str, ...]) -> list[object]:
+    """What ``names`` are in the probe's module, and in the modules among those."""
+    named = [scope[name] for name in names if name in scope]
+    modules = [vars(found) for found in named if isinstance(found, ModuleType)]
+    return named + [attributes[name] for attributes in modules for name in names if name in attributes]
 
 
 def _needs(builder: object) -> tuple[str, ...]:

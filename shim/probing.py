@@ -172,26 +172,31 @@ class Probes:
         """Ask the probes due before the targets in ``module_names`` are wrapped, and those that waited,
         once the modules each needs are ``ready`` (finished importing); the others wait. ``off``: the
         patch's own parts off around each. Returns whether one was asked."""
+        self._schedule(patch, module_names, mode)
+        available = _importable(ready)
+        askable = {}
+        for library, (probe, why, _) in list(self.waiting.items()):
+            pending = tuple(name for name in probe.needs if not available(name))
+            if pending:
+                self.waiting[library] = Waiting(probe, why, pending)
+            else:  # out of the waiting ones before any is asked: a probe's code cannot ask it again
+                askable[library] = self.waiting.pop(library)
+        for library, (probe, why, _) in askable.items():
+            with off():
+                answer = self.answers[library] = ask(probe, library, why)
+            level = logging.WARNING if answer.present is None else logging.INFO
+            log.log(level, "%s: %s", patch.name, answer.said(gating.installed_version(library)))
+        return bool(askable)
+
+    def _schedule(self, patch: Patch, module_names: list[str], mode: str) -> None:
+        """Add the probes due before the targets in ``module_names`` are wrapped, and why each is asked
+        (:func:`why_asked`), to the waiting ones: those of their libraries not asked yet."""
         libraries = {patch.library_of(target) for target in patch.targets if target.module in module_names}
         for library in sorted(libraries - set(self.answers) - set(self.waiting)):
             probe = patch.probe_for(library)
             why = why_asked(library, mode) if probe is not None else None
             if probe is not None and why is not None:
                 self.waiting[library] = Waiting(probe, why, ())
-        available = _importable(ready)
-        asked = False
-        for library, (probe, why, _) in list(self.waiting.items()):
-            pending = tuple(name for name in probe.needs if not available(name))
-            if pending:
-                self.waiting[library] = Waiting(probe, why, pending)
-                continue
-            del self.waiting[library]
-            with off():
-                answer = self.answers[library] = ask(probe, library, why)
-            level = logging.WARNING if answer.present is None else logging.INFO
-            log.log(level, "%s: %s", patch.name, answer.said(gating.installed_version(library)))
-            asked = True
-        return asked
 
     def needed(self, ready: Callable[[str], bool]) -> list[str]:
         """The modules the waiting probes need that are not ``ready``: the registry hooks them."""

@@ -343,7 +343,8 @@ def test_reading_what_a_probe_needs_runs_nothing_and_follows_only_names_it_looks
         return inner, Layer
 
     assert BugProbe(nested).needs == ("a.module",), "nested functions and classes are read"
-    assert BugProbe(lambda: stand_in.build()).needs == ()
+    assert BugProbe(lambda: stand_in.assemble()).needs == ()
+    assert BugProbe(lambda: stand_in.build()).needs == ("a.module",), "a name like a builder's: more, never less"
     assert BugProbe(lambda: Evidence(True, "no builder")).needs == ()
     assert BugProbe(functools.partial(asking_through_a_helper)).needs == (), "no code of its own: declare needs"
 
