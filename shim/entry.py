@@ -369,7 +369,7 @@ class Entry:
         if resolution.problem is not None:
             return (FAILED if resolution.problem.failed else SKIPPED), resolution.problem.why
         self._note(resolution.notes)  # a reload resolves again
-        self.probes.stepped_aside |= resolution.aside
+        self.probes.stepped_aside |= resolution.left_alone_in
         return self._place(patch, resolution.targets, module_names, late)
 
     def _place(

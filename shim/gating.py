@@ -1,8 +1,7 @@
 """Deciding whether a patch applies here: the installed versions, its version gate, the releases the
-shim was measured on, each target's own requirement, and the targets' shape checks. Where the release
-cannot vouch for the code, the patch's bug probes decide with it (``shim.probing``: when they are
-asked, and what their answers do to the gate and the targets). Nothing here wraps anything or keeps
-state: the entry asks and acts on the answer.
+shim was measured on, each target's own requirement, and the targets' shape checks. Nothing here
+wraps anything or keeps state: the entry asks and acts on the answer (with what the patch's bug
+probes said, ``shim.probing``).
 
 One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
 pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
@@ -166,18 +165,17 @@ class Resolution(NamedTuple):
     targets: list[Resolved]  # to wrap
     notes: list[str]  # targets left alone, for the status reason
     problem: Problem | None
-    aside: frozenset[str] = frozenset()  # the libraries where a target stepped aside: its probe found no bug
+    left_alone_in: frozenset[str] = frozenset()  # the libraries of ``left_alone`` where a target was left
 
 
-def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, str]) -> Resolution:
+def resolve_targets(patch: Patch, module_names: list[str], found: Gate, left_alone: Mapping[str, str]) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here;
-    ``aside``: the libraries whose bug probe found no bug, each with what the status says of it
-    (``shim.probing.Probes.aside``): their targets, where their own requirement admits the release,
-    step aside."""
+    ``left_alone``: libraries whose targets are left alone, where their own requirement admits the
+    release, each with what the status says of it (the entry's: a bug probe found no bug there)."""
     from . import assigning, wrapping
     from .layers import Resolved
 
-    resolved, notes, stepped_aside = [], [], set()
+    resolved, notes, left_alone_in = [], [], set()
     for target in patch.targets:
         if target.module not in module_names:
             continue
@@ -186,10 +184,10 @@ def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: M
             notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
         library = patch.library_of(target)
-        if library in aside:
-            if aside[library] not in notes:
-                notes.append(aside[library])
-            stepped_aside.add(library)
+        if library in left_alone:
+            if left_alone[library] not in notes:
+                notes.append(left_alone[library])
+            left_alone_in.add(library)
             continue
         module = sys.modules[target.module]
         owner: object
@@ -205,7 +203,7 @@ def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: M
         if problem is not None:
             return Resolution([], notes, problem)
         resolved.append(Resolved(target, module, original))
-    return Resolution(resolved, notes, None, frozenset(stepped_aside))
+    return Resolution(resolved, notes, None, frozenset(left_alone_in))
 
 
 def _check_shape(patch: Patch, target: Target, original: object, gate_reason: str) -> Problem | None:

@@ -1,26 +1,14 @@
 """The bug probes' life (``Patch.bug_probe``), in one room: when a probe is asked, waiting for the
 modules it needs, asking it without a trace, and what its answer does to the gate and the targets.
 
-- **When** (:func:`why_asked`): where the installed release cannot vouch for its code (a build
-  between releases, an editable or version-control install, a release newer than any measured), or
-  as ``SHIM_PROBE`` says; on a measured release the gate decides alone.
-- **Waiting** (:class:`Probes`): a probe is asked once per process, right before its library's
-  targets are wrapped, once the modules it needs (``BugProbe.needs``) have finished importing.
-  Meanwhile the release decides (its targets are wrapped, and taken off again if the probe then
-  finds no bug), or, where the release leaves the patch out, the targets wait with the probe.
-- **Asking** (:func:`ask`): with the patch's own parts off (it is asked before they are placed, or
-  inside ``shim.disabled(name)``), so that it asks upstream, and without a trace
-  (:func:`_traceless`): torch's CPU random state, Python's and NumPy's are put back; gradients are
-  on, the default device is the CPU and the default dtype float32, deterministic algorithms and
-  anomaly detection are off, whatever the caller set; warnings are not shown, and effects the
-  shim's other patches record inside it are not counted. An exception is an answer too: the probe
-  failed, and the release decides.
-- **What an answer does**: the bug found admits the patch where its gate would leave the build out
-  (:meth:`Probes.gate`); no bug, the patch steps aside in that library, its targets there left alone
-  or taken off (:meth:`Probes.aside`, :meth:`Probes.step_aside`); ``SHIM_FORCE`` applies it anyway.
-
-A patch's ``shim.entry.Entry`` keeps one :class:`Probes` and asks it; nothing else keeps a probe's
-state.
+A probe is asked once per process where the release cannot vouch for the code (:func:`why_asked`),
+right before its library's targets are wrapped, once what it needs has finished importing (until
+then the release decides, or the targets wait with it where the release leaves the patch out:
+:class:`Probes`). It is asked with the patch's own parts off and leaves no trace (:func:`ask`); an
+exception is an answer too (the release decides). The bug found admits the patch outside its gate
+(:meth:`Probes.gate`); no bug, it steps aside in that library (:meth:`Probes.aside`,
+:meth:`Probes.step_aside`), unless ``SHIM_FORCE``. A patch's ``shim.entry.Entry`` keeps one
+:class:`Probes` and asks it; nothing else keeps a probe's state.
 """
 
 from __future__ import annotations
