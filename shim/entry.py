@@ -129,7 +129,7 @@ class Entry:
         return self.patch
 
     def gated(self) -> Patch | Listing:
-        """What its gate is read from: its listing, or its Patch where the listing holds none (a
+        """What its gate is read from: its record, or its Patch where the record holds none (a
         pack's: this imports its module)."""
         return self.declared if self.declared.requires is not None else self.load()
 

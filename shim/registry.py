@@ -167,7 +167,7 @@ class Registry:
     # -- reporting ------------------------------------------------------------------------------
 
     def status(self) -> list[PatchStatus]:
-        """One record per patch: its state and why, its versions, and what it changed so far."""
+        """One status per patch: its state and why, its versions, and what it changed so far."""
         with forks.lazy_imports:
             from .statuses import status_of
 

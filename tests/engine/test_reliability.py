@@ -677,7 +677,7 @@ print(json.dumps({{"forks": forks, "hung": hung}}))
 
 
 def test_no_child_forked_while_threads_read_the_status_hangs_on_the_shims_lazy_imports():
-    # A thread reading the status for the first time imports shim.records (and what it imports); a
+    # A thread reading the status for the first time imports shim.statuses (and what it imports); a
     # child forked during that import waited forever for Python's lock on the module (36 children in
     # 40 forked inside that window hung). The forking thread now waits for such an import to finish.
     out = run_script(STATUS_FORKS.format(forks=200, per_process=10, window=0.035), timeout=300)
