@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import functools
 
-from shim import Evidence, Patch, record_effect
-from shim.checkpointing import LayerMethod, Step, bind_torch, eager, in_effect, probe, targets
+from shim import BugProbe, Evidence, Patch, record_effect
+from shim.checkpointing import LayerMethod, Step, bind_torch, check, eager, in_effect, targets
 from shim.selfcheck import bare
 
 NAME = "checkpoint-function-finds-layer"
@@ -94,9 +94,9 @@ PATCH = Patch(
     summary="A checkpoint function of your own finds its layer through the partial (func.func.__self__).",
     distribution="transformers",
     requires=">=5.23",
-    targets=targets(STEP, probe=probe),
+    targets=targets(STEP, check=check),
     references=("docs/bugs.md#checkpoint-function-finds-layer",),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
     in_effect=in_effect(STEP, "hands your checkpoint function its layer both ways"),
     # Innermost: its step acts last, so what any other step hands the checkpoint carries the layer both ways.
     place="innermost",

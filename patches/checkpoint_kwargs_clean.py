@@ -155,6 +155,6 @@ PATCH = Patch(
         ),
     ),
     references=("docs/bugs.md#checkpoint-kwargs-clean", "huggingface/transformers#48200"),
-    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
+    bug_probe=BugProbe(_bug_probe),
     after=("checkpointing-restore",),
 )

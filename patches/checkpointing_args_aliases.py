@@ -25,7 +25,7 @@ import logging
 import sys
 import warnings
 
-from shim import Evidence, Patch, ShimWarning, Target, record_effect
+from shim import BugProbe, Evidence, Patch, ShimWarning, Target, record_effect
 
 log = logging.getLogger("shim")
 
@@ -128,7 +128,7 @@ def _replaced_from(instance):
     return None
 
 
-def _probe(original) -> str | None:
+def _check(original) -> str | None:
     from transformers import TrainingArguments
 
     fields = getattr(TrainingArguments, "__dataclass_fields__", {})
@@ -144,7 +144,7 @@ def _bug_probe() -> Evidence:
     each pair as one, then each of the four names assigned after construction: the bug is there when
     its partner does not follow (a fix for the flag alone leaves the patch the kwargs)."""
     arguments_class = sys.modules["transformers.training_args"].TrainingArguments
-    if _probe(arguments_class) is not None:
+    if _check(arguments_class) is not None:
         return Evidence(False, "TrainingArguments has one name per checkpointing setting: no alias to lose")
     apart = []
     for old, new in PAIRS:
@@ -168,9 +168,9 @@ PATCH = Patch(
     distribution="transformers",
     requires=">=5.23",
     targets=(
-        Target("transformers.training_args:TrainingArguments.__setattr__", _setattr, probe=_probe),
-        Target("transformers.training_args:TrainingArguments.__post_init__", _post_init, probe=_probe),
+        Target("transformers.training_args:TrainingArguments.__setattr__", _setattr, check=_check),
+        Target("transformers.training_args:TrainingArguments.__post_init__", _post_init, check=_check),
     ),
     references=("docs/bugs.md#checkpointing-args-aliases",),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )

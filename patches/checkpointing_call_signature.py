@@ -269,7 +269,7 @@ PATCH = Patch(
     consumers=("trl.*",),
     bug_probe=(
         BugProbe(_trl_bug_probe, library="trl"),
-        BugProbe(_transformers_bug_probe, library="transformers", needs=(bare.MODELING_LAYERS,)),
+        BugProbe(_transformers_bug_probe, library="transformers"),
     ),
     after=("checkpointing-restore",),
 )

@@ -165,6 +165,6 @@ PATCH = Patch(
         ),
     ),
     references=("docs/bugs.md#checkpointing-restore", "huggingface/trl#6827", "huggingface/transformers#47254"),
-    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
+    bug_probe=BugProbe(_bug_probe),
     in_effect=_in_effect,
 )

@@ -188,7 +188,7 @@ def _wrap_model(wrapped, instance, args, kwargs):
     return result
 
 
-def _probe():
+def _check():
     if not hasattr(sys.modules["transformers.trainer"], "DistributedDataParallelKwargs"):
         return "transformers.trainer no longer builds accelerate's DistributedDataParallelKwargs"
     return None
@@ -337,13 +337,13 @@ PATCH = Patch(
             "transformers.trainer:Trainer._wrap_model",
             _wrap_model,
             requires="transformers<5.3",
-            probe=lambda original: _probe(),
+            check=lambda original: _check(),
         ),
         Target(
             "transformers.trainer:Trainer._build_accelerator_args",
             _build_accelerator_args,
             requires="transformers>=5.3",
-            probe=lambda original: _probe(),
+            check=lambda original: _check(),
         ),
     ),
     references=(
@@ -353,5 +353,5 @@ PATCH = Patch(
         "huggingface/transformers#13961",
         "pytorch/pytorch#143580",
     ),
-    bug_probe=BugProbe(_bug_probe, needs=("transformers.training_args", bare.MODELING_LAYERS)),
+    bug_probe=BugProbe(_bug_probe, needs=("transformers.training_args",)),
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import weakref
 
-from shim import Evidence, Patch, Target, record_effect, switch_of
+from shim import BugProbe, Evidence, Patch, Target, record_effect, switch_of
 from shim.selfcheck import bare
 
 from ._modules import first_trainable
@@ -156,7 +156,7 @@ def _in_effect(model) -> list[str]:
     return lines
 
 
-def _probe(original) -> str | None:
+def _check(original) -> str | None:
     """Upstream must keep its hook handles in ``_require_grads_hooks`` and register forward hooks."""
     names = getattr(getattr(original, "__code__", None), "co_names", ())
     if "_require_grads_hooks" not in names or "register_forward_hook" not in names:
@@ -171,8 +171,8 @@ def _bug_probe() -> Evidence:
     """A bare model holding a frozen bare sub-model (a tower), input grads enabled on the model: the
     bug is there when the tower's input embeddings' output then requires grad."""
     torch = bare.torch_module()
-    model = bare.model(layers=0)
-    model.tower = bare.model(layers=0).requires_grad_(False)
+    model = bare.model_without_layers()
+    model.tower = bare.model_without_layers().requires_grad_(False)
     model.enable_input_require_grads()
     if model.tower.embed(torch.zeros(1, dtype=torch.long)).requires_grad:
         return Evidence(
@@ -190,7 +190,7 @@ PATCH = Patch(
         Target(
             "transformers.modeling_utils:PreTrainedModel.enable_input_require_grads",
             _enable_input_require_grads,
-            probe=_probe,
+            check=_check,
         ),
     ),
     references=(
@@ -198,7 +198,7 @@ PATCH = Patch(
         "huggingface/transformers#41993",
         "modelscope/ms-swift#10214",
     ),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
     in_effect=_in_effect,
     after=("input-grad-hook-dedupe",),
 )

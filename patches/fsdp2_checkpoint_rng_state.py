@@ -70,7 +70,7 @@ def _fsdp2_apply_ac(wrapped, instance, args, kwargs):
     return result
 
 
-def _probe(original) -> str | None:
+def _check(original) -> str | None:
     """Upstream must still build torch's ``checkpoint_wrapper`` with ``preserve_rng_state`` given."""
     reason = leading_parameters(original, ("accelerator", "model"))
     if reason:
@@ -140,7 +140,7 @@ PATCH = Patch(
     summary="FSDP2 activation checkpointing (accelerate) recomputes layers with the forward's RNG state.",
     distribution="accelerate",
     requires=">=1.8",
-    targets=(Target("accelerate.utils.fsdp_utils:fsdp2_apply_ac", _fsdp2_apply_ac, probe=_probe),),
+    targets=(Target("accelerate.utils.fsdp_utils:fsdp2_apply_ac", _fsdp2_apply_ac, check=_check),),
     references=(
         "docs/bugs.md#fsdp2-checkpoint-rng-state",
         "huggingface/accelerate#4172",

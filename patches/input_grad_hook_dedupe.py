@@ -72,7 +72,7 @@ def _bug_probe() -> Evidence:
     from ._checkpointing_calls import disable, enable
 
     model = bare.model()
-    model.tower = bare.model(layers=0, cls=type(model))
+    model.tower = bare.model_without_layers(type(model))
     enable(model, {"use_reentrant": False})
     disable(model)
     enable(model, {"use_reentrant": False})
@@ -99,6 +99,6 @@ PATCH = Patch(
         Target("transformers.modeling_utils:PreTrainedModel.enable_input_require_grads", _enable_input_require_grads),
     ),
     references=("docs/bugs.md#input-grad-hook-dedupe",),
-    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
+    bug_probe=BugProbe(_bug_probe),
     in_effect=_in_effect,
 )

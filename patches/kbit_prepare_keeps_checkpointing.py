@@ -55,7 +55,7 @@ def _prepare_model_for_kbit_training(wrapped, instance, args, kwargs):
     return result
 
 
-def _probe(original) -> str | None:
+def _check(original) -> str | None:
     """The caller's kwargs must still be the third parameter, after the model and the switch."""
     return leading_parameters(original, PARAMETERS)
 
@@ -99,8 +99,8 @@ def _changes_checkpointing(module_name: str) -> Evidence:
 
 
 PROBES = (
-    BugProbe(lambda: _changes_checkpointing(PEFT_COPY), library="peft", needs=(bare.MODELING_LAYERS,)),
-    BugProbe(lambda: _changes_checkpointing(TRL_COPY), library="trl", needs=(bare.MODELING_LAYERS,)),
+    BugProbe(lambda: _changes_checkpointing(PEFT_COPY), library="peft"),
+    BugProbe(lambda: _changes_checkpointing(TRL_COPY), library="trl"),
 )
 
 
@@ -110,13 +110,13 @@ PATCH = Patch(
     distribution="peft",
     requires=">=0.6",
     targets=(
-        Target(f"{PEFT_COPY}:prepare_model_for_kbit_training", _prepare_model_for_kbit_training, probe=_probe),
+        Target(f"{PEFT_COPY}:prepare_model_for_kbit_training", _prepare_model_for_kbit_training, check=_check),
         # trl's copy, which prepare_peft_model calls by its module-level name
         Target(
             f"{TRL_COPY}:prepare_model_for_kbit_training",
             _prepare_model_for_kbit_training,
             requires="trl>=0.28",
-            probe=_probe,
+            check=_check,
         ),
     ),
     references=("docs/bugs.md#kbit-prepare-keeps-checkpointing", "huggingface/peft#1036"),

@@ -8,7 +8,7 @@ Fix: ``set_param_for_module`` and ``_load_parameter_into_model`` are wrapped; th
 slot is noted before the call, and a replacement that came back trainable where the old one was
 frozen is frozen again. The frozen parameters' names are noted once per load (a load is told by
 the object the loader hands every call of it fourth: ``loading_info`` in 5.2x, a set of keys before),
-and a call for any other tensor goes straight to upstream. Arguments are read by name or position (a shape probe checks the leading three, which
+and a call for any other tensor goes straight to upstream. Arguments are read by name or position (a shape check reads the leading three, which
 every signature of the loader shares).
 
 Limits: only frozen → trainable is undone (trainable → frozen is transformers' intent for integer
@@ -206,12 +206,12 @@ PATCH = Patch(
         Target(
             "transformers.core_model_loading:set_param_for_module",
             _set_param_for_module,
-            probe=lambda original: leading_parameters(original, ("model", "target_name", "param_value")),
+            check=lambda original: leading_parameters(original, ("model", "target_name", "param_value")),
         ),
         Target(
             "transformers.modeling_utils:_load_parameter_into_model",
             _load_parameter_into_model,
-            probe=lambda original: leading_parameters(original, ("model", "param_name", "tensor")),
+            check=lambda original: leading_parameters(original, ("model", "param_name", "tensor")),
         ),
     ),
     references=("docs/bugs.md#load-keeps-requires-grad", "vllm-project/speculators#593"),

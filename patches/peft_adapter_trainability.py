@@ -142,14 +142,14 @@ def _load_adapter(wrapped, instance, args, kwargs):
 # -- probes ------------------------------------------------------------------------------------
 
 
-def _probe_inject_adapter(original):
+def _check_inject_adapter(original):
     module = sys.modules.get("peft.tuners.tuners_utils")
     if module is None or not isinstance(getattr(module, "BaseTunerLayer", None), type):
         return "peft.tuners.tuners_utils no longer defines the BaseTunerLayer class"
     return leading_parameters(original, ("self", "model", "adapter_name"))
 
 
-def _probe_load_adapter(original):
+def _check_load_adapter(original):
     module = sys.modules.get("peft.peft_model")
     peft_model = getattr(module, "PeftModel", None)
     for attribute in ("set_requires_grad", "active_peft_config", "add_adapter"):
@@ -206,8 +206,8 @@ PATCH = Patch(
     distribution="peft",
     requires="<0.21",
     targets=(
-        Target("peft.tuners.tuners_utils:BaseTuner.inject_adapter", _inject_adapter, probe=_probe_inject_adapter),
-        Target("peft.peft_model:PeftModel.load_adapter", _load_adapter, probe=_probe_load_adapter),
+        Target("peft.tuners.tuners_utils:BaseTuner.inject_adapter", _inject_adapter, check=_check_inject_adapter),
+        Target("peft.peft_model:PeftModel.load_adapter", _load_adapter, check=_check_load_adapter),
     ),
     references=(
         "docs/bugs.md#peft-adapter-trainability",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import sys
 
-from shim import Evidence, Patch, Target, record_effect, switch_of, wrappers
+from shim import BugProbe, Evidence, Patch, Target, record_effect, switch_of, wrappers
 
 from . import _ray_jobs
 
@@ -50,7 +50,7 @@ def _shutdown(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _probe_init(original) -> str | None:
+def _check_init(original) -> str | None:
     """Ray's ``init`` takes the job's runtime environment, which knows the setup hook; Ray already
     initialized (``import shim`` after ``ray.init()``) is said once: that job's workers go without."""
     import inspect
@@ -95,10 +95,10 @@ PATCH = Patch(
     distribution="ray",
     requires=">=2.60",
     targets=(
-        Target(f"{MODULE}:init", _init, probe=_probe_init),
+        Target(f"{MODULE}:init", _init, check=_check_init),
         Target(f"{MODULE}:shutdown", _shutdown),
     ),
     consumers=("ray",),
     references=("docs/bugs.md#ray-workers-get-the-shim", "ray-project/ray#34738", "ray-project/ray#37247"),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )

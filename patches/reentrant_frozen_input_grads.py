@@ -21,16 +21,16 @@ Full story, versions measured and references: docs/bugs.md#reentrant-frozen-inpu
 
 from __future__ import annotations
 
-from shim import Evidence, Patch, record_effect
+from shim import BugProbe, Evidence, Patch, record_effect
 from shim.checkpointing import (
     Step,
     any_grad,
     bind_torch,
+    check,
     eager,
     hand_over,
     in_effect,
     is_reentrant,
-    probe,
     targets,
     wants_grad,
 )
@@ -121,12 +121,12 @@ PATCH = Patch(
     summary="Reentrant checkpointing gives trainable parameters their gradients when a layer's inputs are frozen.",
     distribution="transformers",
     requires=">=4.57",
-    targets=targets(STEP, probe=probe),
+    targets=targets(STEP, check=check),
     references=(
         "docs/bugs.md#reentrant-frozen-input-grads",
         "huggingface/transformers#21381",
         "huggingface/transformers#23170",
     ),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
     in_effect=in_effect(STEP, "anchors reentrant calls none of whose inputs requires grad"),
 )

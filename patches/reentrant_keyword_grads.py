@@ -22,8 +22,8 @@ Full story, versions measured and references: docs/bugs.md#reentrant-keyword-gra
 
 from __future__ import annotations
 
-from shim import Evidence, Patch, record_effect
-from shim.checkpointing import Step, any_grad, bind_torch, eager, hand_over, in_effect, is_reentrant, probe, targets
+from shim import BugProbe, Evidence, Patch, record_effect
+from shim.checkpointing import Step, any_grad, bind_torch, check, eager, hand_over, in_effect, is_reentrant, targets
 from shim.selfcheck import bare
 
 NAME = "reentrant-keyword-grads"
@@ -147,8 +147,8 @@ PATCH = Patch(
     summary="Reentrant checkpointing keeps the gradients of tensors passed to a layer by keyword.",
     distribution="transformers",
     requires=">=4.57",
-    targets=targets(STEP, probe=probe),
+    targets=targets(STEP, check=check),
     references=("docs/bugs.md#reentrant-keyword-grads", "huggingface/transformers#41818"),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
     in_effect=in_effect(STEP, "lifts grad-requiring keyword tensors into reentrant checkpoint inputs"),
 )

@@ -28,7 +28,7 @@ import threading
 import types
 import weakref
 
-from shim import Evidence, Patch, record_effect, switch_of, written_by
+from shim import BugProbe, Evidence, Patch, record_effect, switch_of, written_by
 from shim.checkpointing import ATTRIBUTE, Step, targets
 from shim.selfcheck import bare
 
@@ -231,7 +231,7 @@ def _in_effect(model) -> list[str]:
     return lines
 
 
-def _probe(layer_class) -> str | None:
+def _check(layer_class) -> str | None:
     layers = sys.modules.get("transformers.modeling_layers")
     init_subclass = vars(layer_class).get("__init_subclass__")
     if layers is None or not isinstance(init_subclass, classmethod) or _checkpointing_wrapper_code(layers) is None:
@@ -284,8 +284,8 @@ PATCH = Patch(
     summary="A layer class whose forward was replaced after import still checkpoints when checkpointing is on.",
     distribution="transformers",
     requires=">=5.23",
-    targets=targets(STEP, probe=_probe),
+    targets=targets(STEP, check=_check),
     references=("docs/bugs.md#replaced-forward-keeps-checkpointing",),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
     in_effect=_in_effect,
 )

@@ -167,5 +167,5 @@ PATCH = Patch(
     ),
     references=("docs/bugs.md#trl-restore-on-error", "huggingface/trl#6659"),
     consumers=("trl.*",),
-    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS, "trl.distributed")),
+    bug_probe=BugProbe(_bug_probe, needs=("trl.distributed",)),
 )

@@ -85,7 +85,7 @@ def _enable_selective(wrapped, instance, args, kwargs):
     return result
 
 
-def _probe(original) -> str | None:
+def _check(original) -> str | None:
     """trl's installer takes the model first; transformers' enable runs an instance's override."""
     problem = leading_parameters(original, ("model",))
     if problem:
@@ -129,10 +129,10 @@ PATCH = Patch(
             f"{SELECTIVE}:enable_selective_activation_checkpointing",
             _enable_selective,
             requires="transformers>=5.23",
-            probe=_probe,
+            check=_check,
         ),
     ),
     references=("docs/bugs.md#trl-selective-reaches-peft", "huggingface/trl#7194"),
     consumers=("trl.*",),
-    bug_probe=BugProbe(_bug_probe, needs=(bare.MODELING_LAYERS,)),
+    bug_probe=BugProbe(_bug_probe),
 )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from shim import Evidence, Patch, SameFix, Target, record_effect
+from shim import BugProbe, Evidence, Patch, SameFix, Target, record_effect
 from shim.selfcheck import bare
 
 from ._arguments import argument, leading_parameters
@@ -162,7 +162,7 @@ PATCH = Patch(
         Target(
             f"{OFFLOAD}:DeepSpeedZeRoOffload._register_deepspeed_module",
             _register_deepspeed_module,
-            probe=lambda original: leading_parameters(original, ("self", "module")),
+            check=lambda original: leading_parameters(original, ("self", "module")),
         ),
     ),
     same_fix=(
@@ -178,5 +178,5 @@ PATCH = Patch(
         "deepspeedai/DeepSpeed#7615",
         "deepspeedai/DeepSpeed#7203",
     ),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )

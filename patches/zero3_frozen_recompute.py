@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 
-from shim import Evidence, Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
 
 from ._arguments import argument
 
@@ -159,10 +159,10 @@ def _backward_epilogue(wrapped, instance, args, kwargs):
     return result
 
 
-# -- shape probe -------------------------------------------------------------------------------
+# -- shape check -------------------------------------------------------------------------------
 
 
-def _probe_fetch(original):
+def _check_fetch(original):
     """The coordinator's helpers the wrappers call. (Its methods are wrapped by DeepSpeed's profiling
     decorators, which hide their signatures: the gate, not a signature, vouches for their arguments.)"""
     namespace = sys.modules[COORDINATOR]
@@ -212,7 +212,7 @@ PATCH = Patch(
     requires="<0.19.3",
     targets=(
         Target(
-            f"{COORDINATOR}:PartitionedParameterCoordinator.fetch_sub_module", _fetch_sub_module, probe=_probe_fetch
+            f"{COORDINATOR}:PartitionedParameterCoordinator.fetch_sub_module", _fetch_sub_module, check=_check_fetch
         ),
         Target(f"{COORDINATOR}:PartitionedParameterCoordinator.release_sub_module", _release_sub_module),
         Target("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.backward_epilogue", _backward_epilogue),
@@ -223,5 +223,5 @@ PATCH = Patch(
         "deepspeedai/DeepSpeed#8130",
         "huggingface/transformers#47254",
     ),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )

@@ -93,7 +93,7 @@ _LAZY = {
     "SameFix": "patch",
     "BugProbe": "patch",
     "Evidence": "patch",
-    "PatchStatus": "records",
+    "PatchStatus": "statuses",
     "written_by": "others",
     "audit_first_step": "audit",
 }

@@ -13,7 +13,8 @@ state, it never re-derives it. Every write of the state goes through :meth:`_set
 the reason a status shows is made in one place (:attr:`Entry.reason`) from the state, its cause,
 the gate and the parts.
 
-Advancing is one straight path: gate → resolve → wrap → settle. What the user asked is kept apart
+Advancing is one straight path: ask the bug probes due (``shim.probing``, the room that keeps their
+life: the entry asks it) → gate → resolve → wrap → the state it leaves. What the user asked is kept apart
 from where the patch is: ``active`` (``activate()`` / ``deactivate()``), ``choice`` (``enable()``
 / ``disable()``, which outlive a deactivation) and the depth of ``shim.disabled()`` blocks; the
 switch the patch's parts answer to follows from them and from whether a part is in place.
@@ -30,14 +31,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from . import order
 from .catalogue import Unfinished
+from .ranges import and_
 from .runtime import Switch
 
 if TYPE_CHECKING:
     from .catalogue import Listing
     from .gating import Gate
-    from .layers import Layers
-    from .patch import BugProbe, Patch
-    from .probing import Answer
+    from .layers import Layers, Resolved
+    from .patch import Patch
+    from .probing import Probes
     from .settings import Settings
 
 
@@ -49,7 +51,8 @@ class State(str, enum.Enum):
     PENDING = "pending"  # a target module is not imported yet: the patch applies right after it is
     SKIPPED = "skipped"  # not needed or not safe here (outside its gate, target missing, shape changed)
     DISABLED = "disabled"  # switched off: SHIM_DISABLE, shim.disable(), shim.deactivate(), shim.disabled()
-    FAILED = "failed"  # wrapping raised (and was rolled back), a probe could not run, or a layer was bypassed
+    FAILED = "failed"  # wrapping raised (and was rolled back), a shape check or, in strict mode, a bug probe
+    # could not run, or a layer was bypassed
 
     def __str__(self) -> str:
         return self.value
@@ -88,8 +91,7 @@ class Entry:
 
     __slots__ = (
         "declared", "patch", "sequence", "state", "why", "final", "active", "choice", "suspended", "forced",
-        "retake", "switch", "gate", "notes", "layers", "done_modules", "answers",
-        "waiting_probes", "stepped_aside",
+        "retake", "switch", "gate", "notes", "layers", "done_modules", "_probes",
     )  # fmt: skip
 
     def __init__(self, declared: Listing, active: bool, sequence: int = 0) -> None:
@@ -109,12 +111,7 @@ class Entry:
         self.notes: list[str] = []  # what the reason adds to the gate: targets left alone, late, ...
         self.layers: Layers | None = None  # its parts in the targets, and what it rebound (shim.layers.Layers)
         self.done_modules: set[str] = set()  # target modules whose targets are applied
-        # What its bug probes said, by library: asked once per process (shim.probing), kept across
-        # deactivate() and enable(), as the installed code does not change.
-        self.answers: dict[str, Answer] = {}
-        # Probes due whose ``needs`` are not imported yet, by library, with why each is asked.
-        self.waiting_probes: dict[str, tuple[BugProbe, str]] = {}
-        self.stepped_aside: set[str] = set()  # libraries where it left targets alone: their probe found no bug
+        self._probes: Probes | None = None  # its bug probes' life (shim.probing), once a target is imported
 
     @property
     def name(self) -> str:
@@ -135,6 +132,16 @@ class Entry:
         """What its gate is read from: its record, or its Patch where the record holds none (a
         pack's: this imports its module)."""
         return self.declared if self.declared.requires is not None else self.load()
+
+    @property
+    def probes(self) -> Probes:
+        """Its bug probes in this process: what they answered, which wait, where it stepped aside
+        (``shim.probing``, imported the first time a status or a target import needs it)."""
+        if self._probes is None:
+            from .probing import Probes
+
+            self._probes = Probes()
+        return self._probes
 
     # -- what the user asks ---------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class Entry:
         """Applied, and its parts act right now."""
         return self.state is APPLIED and self.switch.on
 
-    def settled(self, settings: Settings) -> bool:
+    def gave_up(self, settings: Settings) -> bool:
         """Skipped or failed for good. In strict mode a problem is raised again at every chance
         (a retried import, ``activate()``); being outside its gate is never one."""
         if not self.final:
@@ -188,48 +195,69 @@ class Entry:
         ``late``: why they are wrapped only now (their module was imported past the shim's hook)."""
         retake, self.retake = self.retake, False
         self.forced = self.name in settings.forced
-        if not self.active or self.settled(settings):
-            return Progress(None)
-        if self.choice is OFF:
-            if self.state is DISABLED:  # after deactivate() / activate(): say why it stays off
-                self._set(DISABLED, OFF_BY_API)
+        if not self.active or self.gave_up(settings) or self._kept_off():
             return Progress(None)
         if self.layers:
             self.done_modules -= self.layers.drop_stale(retake)
-        opted_out = settings.disable_all or self.name in settings.disabled
-        if opted_out and self.choice is not ENABLED and not self.layers:
-            variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
-            self._set(DISABLED, f"opted out with {variable}")
+        if self._opted_out(settings):
             return Progress(None)
-        todo = [m for m in self.declared.modules if m not in self.done_modules]
-        now = [m for m in todo if ready(m)]
+        return self._apply_ready(ready, settings, late)
+
+    def _apply_ready(self, ready: Callable[[str], bool], settings: Settings, late: str | None) -> Progress:
+        """Ask the bug probes due, then apply the targets whose module is ``ready``."""
+        todo = self.waiting()
         try:
-            now, needed = self._probe(now, ready, settings.probe)
+            now, needed = self._ask_probes([m for m in todo if ready(m)], ready, settings.probe)
         except Unfinished as unfinished:  # its module imports its own target: it applies once that module is done
             return Progress(None, (*(m for m in todo if not ready(m)), unfinished.module))
         except Exception as exc:  # a pack's module that cannot be imported
             self._give_up(FAILED, unloadable(exc))
             return Progress(unloadable(exc))
-        waiting = tuple(dict.fromkeys([*(m for m in todo if m not in now), *needed]))
-        problem, wrapped = None, False
-        if now:
-            done = set(self.done_modules)
-            verdict = self._wrap(now, late, settings.strict)
-            if verdict is not None:
-                state, problem = verdict
-                self._give_up(state, problem)
-                if state is SKIPPED and self.gate is not None and self.gate.skip == problem:
-                    problem = None  # outside its gate is never a problem, not even in strict mode
-                elif settings.strict:
-                    self._forget_progress()  # tried again at the next chance: a retried import, activate()
-            else:
-                wrapped = bool(self.layers)
-                self._settle([m for m in todo if m not in now], [m for m in now if m not in done], late)
+        problem, wrapped = self._apply(todo, now, late, settings.strict)
+        waiting = dict.fromkeys([*(m for m in todo if m not in now), *needed])
+        return Progress(problem, tuple(waiting), tuple(self.done_modules), wrapped)
+
+    def _kept_off(self) -> bool:
+        """Switched off with ``disable()``: it stays off (after ``deactivate()`` and ``activate()``,
+        saying why)."""
+        if self.choice is not OFF:
+            return False
+        if self.state is DISABLED:
+            self._set(DISABLED, OFF_BY_API)
+        return True
+
+    def _opted_out(self, settings: Settings) -> bool:
+        """Named in ``SHIM_DISABLE`` (or all are), not enabled by the user, nothing placed: it stays off."""
+        opted_out = settings.disable_all or self.name in settings.disabled
+        if not opted_out or self.choice is ENABLED or self.layers:
+            return False
+        variable = "SHIM_DISABLE=all" if settings.disable_all else f"SHIM_DISABLE={self.name}"
+        self._set(DISABLED, f"opted out with {variable}")
+        return True
+
+    def _apply(self, todo: list[str], now: list[str], late: str | None, strict: bool) -> tuple[str | None, bool]:
+        """Wrap the targets in ``now`` and write the state that leaves; returns what strict mode raises
+        for, if anything, and whether targets were wrapped just now."""
+        done = set(self.done_modules)
+        verdict = self._wrap(now, late, strict) if now else None
+        if verdict is not None:
+            problem, wrapped = self._refused(*verdict, strict), False
         else:
-            self._settle([m for m in todo if m not in now], [], late)
-        if problem is None and settings.strict:
-            problem = self._probe_problem()
-        return Progress(problem, waiting, tuple(self.done_modules), wrapped)
+            problem, wrapped = None, bool(now) and bool(self.layers)
+            self._after_wrapping([m for m in todo if m not in now], [m for m in now if m not in done], late)
+        if problem is None and strict:
+            problem = self.probes.problem()
+        return problem, wrapped
+
+    def _refused(self, state: State, why: str, strict: bool) -> str | None:
+        """Give up (skipped or failed, for good) and say what strict mode raises for: nothing where
+        the patch is outside its gate, which is never a problem, not even in strict mode."""
+        self._give_up(state, why)
+        if state is SKIPPED and self.gate is not None and self.gate.skip == why:
+            return None
+        if strict:
+            self._forget_progress()  # tried again at the next chance: a retried import, activate()
+        return why
 
     def refresh(self, forced: bool) -> None:
         """Record what can be seen now without applying anything, before a status is read: the
@@ -240,7 +268,7 @@ class Entry:
         self.forced = forced
         if self.final:
             return
-        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED) and not self.waiting_probes:
+        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED) and not self.probes.waiting:
             # Decided here rather than at activation, where it would cost every ``import shim`` a
             # metadata read (the log decides it the same way, when it shows the line).
             from .gating import gate
@@ -272,9 +300,10 @@ class Entry:
             waiting = self.waiting()
             rest = f"the rest {_applies_when(waiting)}" if waiting else ""
             parts = [gate, *self.notes, rest, self.why]
-            return "; ".join(filter(None, parts + [said for said in self.probes_said() if not _in(said, parts)]))
-        if state is PENDING and self.waiting_probes:  # held outside its gate until its probe can run
-            return "; ".join([self._gate_now()[1], *self.probes_said()])
+            said = self.probes.said(self.forced)
+            return "; ".join(filter(None, parts + [sentence for sentence in said if not _in(sentence, parts)]))
+        if state is PENDING and self.probes.waiting:  # held outside its gate until its probe can run
+            return "; ".join([self._gate_now()[1], *self.probes.said(self.forced)])
         if state is PENDING:
             why = self.why or _applies_when(self.waiting())
             return why if self.gate is not None else f"{why}; {self._gate_now()[1]}"
@@ -283,27 +312,11 @@ class Entry:
     def shown(self) -> tuple[State, str]:
         """The state and reason as a status shows them: a pending patch outside its gate, not
         decided yet, shows as skipped, as a refresh will record it."""
-        if self.state is PENDING and self.gate is None and not self.layers and not self.waiting_probes:
+        if self.state is PENDING and self.gate is None and not self.layers and not self.probes.waiting:
             skip, why = self._gate_now()
             if skip:
                 return SKIPPED, why
         return self.state, self.reason
-
-    def probes_said(self) -> list[str]:
-        """What each bug probe answered here, a sentence each (``shim.probing.Answer.said``), and where
-        one still waits for a module it needs."""
-        from .gating import installed_version
-
-        said = []
-        for answer in self.answers.values():
-            sentence = answer.said(installed_version(answer.library))
-            if answer.present is False and self.forced:
-                sentence += "; applied anyway because of SHIM_FORCE"
-            said.append(sentence)
-        for library, (probe, why) in self.waiting_probes.items():
-            verb = "finishes" if len(probe.needs) == 1 else "finish"
-            said.append(f"its bug probe for {library} is asked once {and_(list(probe.needs))} {verb} importing ({why})")
-        return said
 
     def waiting(self) -> list[str]:
         """The target modules it applies in once they are imported."""
@@ -323,82 +336,17 @@ class Entry:
 
     # -- the bug probes (shim.probing) ---------------------------------------------------------
 
-    def _probe(self, now: list[str], ready: Callable[[str], bool], mode: str) -> tuple[list[str], list[str]]:
+    def _ask_probes(self, now: list[str], ready: Callable[[str], bool], mode: str) -> tuple[list[str], list[str]]:
         """Ask the bug probes due before the targets in ``now`` are wrapped, and those that waited for
-        a module they need; step aside where one that waited finds no bug. A probe whose ``needs`` are
-        not all imported waits for them: meanwhile the release decides (its targets are wrapped, and
-        taken off again if the probe then finds no bug), or, where the release leaves the patch out,
-        the targets wait with it. Returns the modules to wrap now and the modules the probes wait for."""
-        if not now and not self.waiting_probes:
+        a module they need (``shim.probing``), and take the parts off where one that waited finds no
+        bug. Returns the modules to wrap now and the modules the probes wait for."""
+        if not now and (self._probes is None or not self._probes.waiting):
             return now, []
-        from . import gating
-
-        patch = self.load()
-        for library, due in self._due_probes(patch, now, mode).items():
-            self.waiting_probes[library] = due
-        askable = {lib: due for lib, due in self.waiting_probes.items() if all(map(_importable(ready), due[0].needs))}
-        for library in askable:
-            del self.waiting_probes[library]
-        self._ask(patch, askable)
-        if askable and self.layers:  # wrapped while they waited: the answers decide now
-            self._step_aside_where_fixed(patch)
-        needed = [m for probe, _ in self.waiting_probes.values() for m in probe.needs if not ready(m)]
-        if patch.distribution in self.waiting_probes and gating.gate(patch, self.forced).skip is not None:
-            return [], needed  # outside the gate: the probe may yet find the bug there, so the targets wait
-        return now, needed
-
-    def _due_probes(self, patch: Patch, module_names: list[str], mode: str) -> dict[str, tuple[BugProbe, str]]:
-        """The bug probes to ask before the targets in ``module_names`` are wrapped, by library, with
-        why each is asked (``shim.probing``): those not asked, nor waiting, yet in this process."""
-        from .gating import why_asked
-
-        libraries = {patch.library_of(t) for t in patch.targets if t.module in module_names}
-        due = {}
-        for library in sorted(libraries - set(self.answers) - set(self.waiting_probes)):
-            probe = patch.probe_for(library)
-            why = why_asked(library, mode) if probe is not None else None
-            if probe is not None and why is not None:
-                due[library] = (probe, why)
-        return due
-
-    def _ask(self, patch: Patch, probes: dict[str, tuple[BugProbe, str]]) -> None:
-        """Ask ``probes`` with the patch's own parts off (it may have parts in another library)."""
-        from . import gating, probing
-
-        for library, (probe, why) in probes.items():
-            with self._switched_off():
-                answer = self.answers[library] = probing.ask(probe, library, why)
-            log.log(
-                logging.WARNING if answer.present is None else logging.INFO,
-                "%s: %s",
-                self.name,
-                answer.said(gating.installed_version(library)),
-            )
-
-    def _aside(self) -> dict[str, Answer]:
-        """The libraries where a probe found no bug: the patch steps aside there (not under SHIM_FORCE)."""
-        return {} if self.forced else {lib: a for lib, a in self.answers.items() if a.present is False}
-
-    def _step_aside_where_fixed(self, patch: Patch) -> None:
-        """Take the patch's parts off the targets of each library whose probe found no bug."""
-        from . import gating
-
-        assert self.layers is not None
-        for library, answer in self._aside().items():
-            modules = {t.module for t in patch.targets if patch.library_of(t) == library}
-            if self.layers.remove(modules):
-                self.stepped_aside.add(library)
-                note = f"steps aside: {answer.said(gating.installed_version(library))}"
-                if note not in self.notes:
-                    self.notes.append(note)
-        self._update_switch()
-
-    def _probe_problem(self) -> str | None:
-        """What strict mode raises for: a probe that could not run."""
-        from . import gating
-
-        failed = [a.said(gating.installed_version(a.library)) for a in self.answers.values() if a.present is None]
-        return "; ".join(failed) or None
+        patch, probes = self.load(), self.probes
+        if probes.ask_due(patch, now, ready, mode, self.switched_off) and self.layers:
+            self._note(probes.step_aside(patch, self.layers, self.forced))  # wrapped while they waited
+            self._update_switch()
+        return ([] if probes.hold_targets(patch, self.forced) else now), probes.needed(ready)
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -406,28 +354,36 @@ class Entry:
         """Gate (with what the bug probes answered), resolve and wrap the targets in ``module_names``;
         ``None`` when they are in place, else ``(state, why)``."""
         from . import gating
-        from .layers import Layers
 
         try:
             patch = self.load()
         except Exception as exc:
             return FAILED, unloadable(exc)
-        problem = self._probe_problem() if strict else None
+        problem = self.probes.problem() if strict else None
         if problem is not None:
             return FAILED, problem
-        self.gate = gating.with_answers(gating.gate(patch, self.forced), patch, self.answers)
+        self.gate = self.probes.gate(gating.gate(patch, self.forced), patch)
         if self.gate.skip is not None:
             return SKIPPED, self.gate.skip
-        resolution = gating.resolve_targets(patch, module_names, self.gate, self._aside())
+        resolution = gating.resolve_targets(patch, module_names, self.gate, self.probes.aside(self.forced))
         if resolution.problem is not None:
             return (FAILED if resolution.problem.failed else SKIPPED), resolution.problem.why
-        self.notes.extend(note for note in resolution.notes if note not in self.notes)  # a reload resolves again
-        self.stepped_aside |= resolution.aside
+        self._note(resolution.notes)  # a reload resolves again
+        self.probes.stepped_aside |= resolution.left_alone_in
+        return self._place(patch, resolution.targets, module_names, late)
+
+    def _place(
+        self, patch: Patch, targets: list[Resolved], module_names: list[str], late: str | None
+    ) -> tuple[State, str] | None:
+        """Put the patch's parts into the layers of the resolved ``targets``; ``None`` when they are in
+        place, else why not (anything placed is rolled back)."""
+        from .layers import Layers
+
         if self.layers is None:
             self.layers = Layers(patch.name)
         try:
             rank = order.rank(patch.place, self.sequence)
-            switch, missed = self.layers.wrap(patch, resolution.targets, self.switch, rank)
+            switch, missed = self.layers.wrap(patch, targets, self.switch, rank)
         except Exception as exc:
             return FAILED, f"wrapping failed and was rolled back: {exc!r}"
         if switch is not self.switch:  # adopted a part already there, with its switch
@@ -435,14 +391,18 @@ class Entry:
                 switch.watch(watcher)
             self.switch = switch
         self.notes.extend(missed)
-        if late is not None and resolution.targets:
+        if late is not None and targets:
             self.notes.append(late)
         self.done_modules.update(module_names)
         self._update_switch()
         return None
 
+    def _note(self, notes: Iterable[str]) -> None:
+        """Add what the reason says beside the gate, each once."""
+        self.notes.extend(note for note in notes if note not in self.notes)
+
     @contextlib.contextmanager
-    def _switched_off(self) -> Iterator[None]:
+    def switched_off(self) -> Iterator[None]:
         """The patch's own parts off inside the block (a bug probe asks upstream, not the fix)."""
         self.suspend(+1)
         try:
@@ -450,7 +410,7 @@ class Entry:
         finally:
             self.suspend(-1)
 
-    def _settle(self, waiting: Iterable[str], added: list[str], late: str | None) -> None:
+    def _after_wrapping(self, waiting: Iterable[str], added: list[str], late: str | None) -> None:
         """The state after wrapping (``added``: the modules it wrapped now, ``late`` if past the
         shim's hook): applied (maybe in part), pending, or skipped for good."""
         if self.layers:
@@ -465,7 +425,7 @@ class Entry:
             self._give_up(SKIPPED, "; ".join(self.notes) or "no target applies")
 
     def _give_up(self, state: State, why: str) -> None:
-        """Remove whatever the patch already wrapped and settle it as skipped or failed, for good."""
+        """Remove whatever the patch already wrapped and leave it skipped or failed, for good."""
         self._take_off()
         self._set(state, why, final=True)
 
@@ -479,7 +439,7 @@ class Entry:
         """Start over at the next target import: nothing applied, nothing noted."""
         self.done_modules.clear()
         self.notes.clear()
-        self.stepped_aside.clear()
+        self.probes.stepped_aside.clear()
 
     def _update_switch(self) -> None:
         in_place = self.layers is not None and self.layers.in_place
@@ -511,7 +471,7 @@ class Entry:
     ) -> None:
         """The one place the state is written, and logged when what a status shows changes
         (``level``: how loud, by default by the state; ``what``: the line says this for the state).
-        ``final``: skipped or failed for good (:meth:`settled`)."""
+        ``final``: skipped or failed for good (:meth:`gave_up`)."""
         if level is None:
             level = logging.WARNING if state is FAILED else logging.INFO if state is APPLIED else logging.DEBUG
         before = (self.state, self.reason) if log.isEnabledFor(level) else None
@@ -525,27 +485,6 @@ def _in(sentence: str, parts: list[str]) -> bool:
     return any(sentence in part for part in parts if part)
 
 
-def _importable(ready: Callable[[str], bool]) -> Callable[[str], bool]:
-    """Whether a module a probe needs is ready for it: finished importing, or not there at all in this
-    release (the probe then takes the release's other way, and says so)."""
-
-    def ready_or_absent(name: str) -> bool:
-        if ready(name):
-            return True
-        parent_name = name.rpartition(".")[0]
-        parent = sys.modules.get(parent_name) if parent_name else None
-        if parent_name and (parent is None or getattr(getattr(parent, "__spec__", None), "_initializing", False)):
-            return False  # looking it up would import (and lock) its package: wait for it instead
-        import importlib.util
-
-        try:
-            return importlib.util.find_spec(name) is None
-        except (ImportError, ValueError):
-            return True
-
-    return ready_or_absent
-
-
 def unloadable(exc: Exception) -> str:
     """Why a patch's declaration cannot be had (its record's error says all; any other is quoted)."""
     return str(exc) if isinstance(exc, ImportError) else f"the patch module cannot be imported: {exc!r}"
@@ -555,8 +494,3 @@ def _applies_when(modules: list[str], again: bool = False) -> str:
     """``applies when a and b are imported``."""
     verb = "is" if len(modules) == 1 else "are"
     return f"applies{' again' if again else ''} when {and_(modules)} {verb} imported"
-
-
-def and_(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""

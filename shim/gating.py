@@ -1,6 +1,7 @@
-"""Deciding whether a patch applies here: its version gate, where the release cannot vouch for the
-code and the patch's bug probe is asked (:func:`why_asked`), what the probes answered
-(``shim.probing``), each target's own requirement, and the shape probes. Nothing here wraps anything or keeps state: the registry asks and acts on the answer.
+"""Deciding whether a patch applies here: the installed versions, its version gate, the releases the
+shim was measured on, each target's own requirement, and the targets' shape checks. Nothing here
+wraps anything or keeps state: the entry asks and acts on the answer (with what the patch's bug
+probes said, ``shim.probing``).
 
 One rule serves applying, reporting and logging alike, so ``python -m shim`` and the log show a
 pending patch outside its gate as ``skipped`` for the same reason the import would skip it.
@@ -8,7 +9,7 @@ pending patch outside its gate as ``skipped`` for the same reason the import wou
 Versions: rule for pre-release, development, post and local builds: a version is gated as its release
 (``Version.base_version``). ``5.25.0.dev0``, ``5.25.0rc1`` and ``5.25.0+local`` are all gated as
 ``5.25.0``: a build of the next release already carries that release's code, and gates are written
-against releases. The status record shows both the installed and the gated version.
+against releases. The status shows both the installed and the gated version.
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .ranges import version_range
-from .settings import PROBE_MODES
 
 if TYPE_CHECKING:
     from .catalogue import Listing
     from .layers import Resolved
     from .patch import Patch, Target
-    from .probing import Answer
 
 
 # -- installed versions and version gates ----------------------------------------------------------
@@ -134,67 +133,6 @@ def newer_than_measured(distribution: str) -> str | None:
     return f"{distribution} {installed} is newer than the newest release measured ({newest})"
 
 
-# -- where the release cannot vouch for the code: a bug probe is asked ------------------------------
-
-AUTO, ALWAYS, NEVER = PROBE_MODES
-
-
-def why_asked(library: str, mode: str) -> str | None:
-    """Why the probe for ``library`` is asked here, or ``None`` where its release decides."""
-    if mode == NEVER:
-        return None
-    if mode == ALWAYS:
-        return "SHIM_PROBE=always"
-    installed = installed_version(library)
-    if installed is None:
-        return None
-    between = _between_releases(installed)
-    if between:
-        return f"{library} {installed} is {between}"
-    newer = newer_than_measured(library)
-    if newer:
-        return newer
-    return _not_from_a_release(library)
-
-
-def _between_releases(installed: str) -> str:
-    """``"a build between releases"`` where ``installed`` has a local, dev, pre- or post-release part."""
-    try:
-        version = Version(installed)
-    except InvalidVersion:
-        return "not a PEP 440 version"
-    if version.local or version.is_devrelease or version.is_prerelease or version.is_postrelease:
-        return "a build between releases"
-    return ""
-
-
-def _not_from_a_release(library: str) -> str | None:
-    """Where ``library`` was installed from its source rather than a release (PEP 610's
-    ``direct_url.json``: editable, or from a version-control system), a sentence that says so."""
-    kind = _install_kind(library)
-    return f"{library} is {kind}" if kind else None
-
-
-@functools.cache
-def _install_kind(library: str) -> str:
-    """How ``library`` was installed, where not from a release; read once per process (a tenth of a
-    millisecond once transformers has read the metadata at its own import)."""
-    try:
-        text = importlib.metadata.distribution(library).read_text("direct_url.json")
-        found = json.loads(text) if text else {}
-    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
-        return ""
-    if not isinstance(found, dict):
-        return ""
-    vcs = found.get("vcs_info")
-    if isinstance(vcs, dict):
-        return f"installed from {vcs.get('vcs', 'version control')} ({found.get('url', '')})"
-    directory = found.get("dir_info")
-    if isinstance(directory, dict) and directory.get("editable"):
-        return "an editable install"
-    return ""
-
-
 # -- whether a patch applies -----------------------------------------------------------------------
 
 
@@ -216,21 +154,6 @@ def gate(declared: Patch | Listing, forced: bool) -> Gate:
     return Gate(versions, versions.reason, versions.reason)
 
 
-def with_answers(by_release: Gate, patch: Patch, answers: Mapping[str, Answer]) -> Gate:
-    """The gate once the bug probes asked here have answered (``shim.probing``): the probe of the
-    patch's own distribution that found the bug admits the patch where the release is outside the
-    gate (a build between releases that lacks upstream's fix). Any other answer leaves the gate as
-    it is: one that found no bug makes its library's targets step aside (:func:`resolve_targets`),
-    one that failed leaves the decision to the release."""
-    answer = answers.get(patch.distribution)
-    if answer is None or by_release.skip is None:
-        return by_release
-    said = answer.said(by_release.versions.installed)
-    if answer.present:
-        return Gate(by_release.versions, None, f"{by_release.versions.reason}, but {said}")
-    return by_release._replace(skip=f"{by_release.skip}; {said}")
-
-
 class Problem(NamedTuple):
     """Why the whole patch must not apply here."""
 
@@ -242,17 +165,17 @@ class Resolution(NamedTuple):
     targets: list[Resolved]  # to wrap
     notes: list[str]  # targets left alone, for the status reason
     problem: Problem | None
-    aside: frozenset[str] = frozenset()  # the libraries where a target stepped aside: its probe found no bug
+    left_alone_in: frozenset[str] = frozenset()  # the libraries of ``left_alone`` where a target was left
 
 
-def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: Mapping[str, Answer]) -> Resolution:
+def resolve_targets(patch: Patch, module_names: list[str], found: Gate, left_alone: Mapping[str, str]) -> Resolution:
     """The targets of ``patch`` in the (imported) ``module_names`` that should be wrapped here;
-    ``aside``: the libraries whose bug probe found no bug (their targets, where their own requirement
-    admits the release, step aside)."""
+    ``left_alone``: libraries whose targets are left alone, where their own requirement admits the
+    release, each with what the status says of it (the entry's: a bug probe found no bug there)."""
     from . import assigning, wrapping
     from .layers import Resolved
 
-    resolved, notes, stepped_aside = [], [], set()
+    resolved, notes, left_alone_in = [], [], set()
     for target in patch.targets:
         if target.module not in module_names:
             continue
@@ -260,12 +183,11 @@ def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: M
         if requirement is not None and not check_versions(requirement.name, requirement.specifier).admitted:
             notes.append(f"left alone: {target.path} (needs {target.requires})")
             continue
-        answer = aside.get(patch.library_of(target))
-        if answer is not None:
-            note = f"steps aside: {answer.said(installed_version(answer.library))}"
-            if note not in notes:
-                notes.append(note)
-            stepped_aside.add(answer.library)
+        library = patch.library_of(target)
+        if library in left_alone:
+            if left_alone[library] not in notes:
+                notes.append(left_alone[library])
+            left_alone_in.add(library)
             continue
         module = sys.modules[target.module]
         owner: object
@@ -277,23 +199,24 @@ def resolve_targets(patch: Patch, module_names: list[str], found: Gate, aside: M
         except wrapping.PathResolutionError:
             missing = f"target {target.spec} does not exist in {found.versions.installed}"
             return Resolution([], notes, Problem(missing))
-        problem = _probe(patch, target, owner, found.versions.reason)
+        problem = _check_shape(patch, target, owner, found.versions.reason)
         if problem is not None:
             return Resolution([], notes, problem)
         resolved.append(Resolved(target, module, original))
-    return Resolution(resolved, notes, None, frozenset(stepped_aside))
+    return Resolution(resolved, notes, None, frozenset(left_alone_in))
 
 
-def _probe(patch: Patch, target: Target, original: object, gate_reason: str) -> Problem | None:
-    if target.probe is None:
+def _check_shape(patch: Patch, target: Target, original: object, gate_reason: str) -> Problem | None:
+    """What the target's shape check (``Target.check``) finds wrong with the object to wrap, if anything."""
+    if target.check is None:
         return None
     try:
-        problem = target.probe(original)
+        problem = target.check(original)
     except Exception as exc:
-        # Not proof that upstream changed: the probe itself could not run here.
+        # Not proof that upstream changed: the check itself could not run here.
         return Problem(
-            f"the shape probe of {target.spec} raised {exc!r}, so the patch is not applied; that is a fault "
-            f"of the probe, not a sign that upstream changed: please report it (shim.enable({patch.name!r}) "
+            f"the shape check of {target.spec} raised {exc!r}, so the patch is not applied; that is a fault "
+            f"of the check, not a sign that upstream changed: please report it (shim.enable({patch.name!r}) "
             "tries again)",
             failed=True,
         )

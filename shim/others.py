@@ -190,7 +190,7 @@ def same_fixes(patch: Patch) -> list[Other]:
 
 def blocking(patch: Patch, module_names: list[str]) -> list[Other]:
     """Targets of ``patch`` in ``module_names`` that hold another patcher's object, not upstream's
-    (said when the patch cannot apply to them: its probe refused what it found there)."""
+    (said when the patch cannot apply to them: its shape check refused what it found there)."""
     found = []
     for target in patch.targets:
         module = sys.modules.get(target.module)

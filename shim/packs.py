@@ -326,7 +326,7 @@ def _load(registry: Registry, paths: Iterable[str] | None) -> None:
     refused = left_out | set(settled.refused)
     for record in settled.ordered:
         record.note = "; ".join(_dropped(name, name in refused) for name in settled.dropped.get(record.name, ()))
-        registry.register(record, settled=True)
+        registry.register(record, ordered=True)
 
 
 def _dropped(name: str, refused: bool) -> str:

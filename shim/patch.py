@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType, FunctionType, ModuleType
 from typing import Any, NamedTuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -23,6 +24,9 @@ Assigned = Callable[[Any, Any], Any]
 #: What an assign target is declared with: ``make(name, switch) -> Assigned``, called by the engine
 #: when the patch's part joins the target's layer, with the patch's name and switch (``shim.switch_of``'s).
 AssignPart = Callable[[str, Any], Assigned]
+#: A target's shape check: ``check(original) -> None`` while the object to wrap has the shape the
+#: wrapper expects, else a short reason (the patch is skipped with it).
+ShapeCheck = Callable[[object], str | None]
 
 _MODULE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*$")
@@ -65,14 +69,15 @@ class _Spec:
         return self.spec.partition(":")[2]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Target(_Spec):
     """One attribute to wrap, written ``"package.module:attribute.path"``.
 
     ``requires`` narrows where this target is needed, as a requirement such as
     ``"transformers>=5.23"`` or ``"trl>=0.26"``; outside it the target is left alone (that is not an
-    error). ``probe(original)`` returns ``None`` when the object to wrap still has the shape the
-    wrapper expects, or a short reason; a reason skips the whole patch.
+    error). ``check(original)``, the target's shape check, returns ``None`` when the object to wrap
+    still has the shape the wrapper expects, or a short reason; a reason skips the whole patch.
+    ``probe=`` is the shape check's old name, still taken (the bug probe is ``Patch.bug_probe``).
 
     ``assign=True``: the target, ``"package.module:Class.attribute"``, is an attribute that
     instances of the class are assigned (it need not exist on the class). The target is then
@@ -80,7 +85,7 @@ class Target(_Spec):
     target's layer (with the patch's name and switch: what it stores may act later, while that
     switch is on) and which returns the wrapper ``wrapper(instance, value)``: it sees every value
     assigned to the attribute on an instance and returns the value to store; reads return what was
-    stored, as without the shim. The probe is given the class.
+    stored, as without the shim. The shape check is given the class.
 
     Several patches with a target on one attribute share one layer there, owned by the engine, which
     runs their wrappers in the catalogue's one order (``Patch.after``, ``Patch.place``).
@@ -89,18 +94,35 @@ class Target(_Spec):
     spec: str
     wrapper: Wrapper | AssignPart
     requires: str = ""
-    probe: Callable[[object], str | None] | None = None
+    check: ShapeCheck | None = None
     assign: bool = False
-    requirement: TargetRequirement | None = field(init=False, repr=False, compare=False, default=None)
+    requirement: TargetRequirement | None = field(init=False, default=None, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        spec: str,
+        wrapper: Wrapper | AssignPart,
+        requires: str = "",
+        check: ShapeCheck | None = None,
+        assign: bool = False,
+        *,
+        probe: ShapeCheck | None = None,
+    ) -> None:
+        if probe is not None and check is not None:
+            raise TypeError(f"target {spec!r}: give its shape check as check= (probe= is its old name), not both")
+        values = (spec, wrapper, requires, check if check is not None else probe, assign, None)
+        for name, value in zip(("spec", "wrapper", "requires", "check", "assign", "requirement"), values):
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
         if not _TARGET.match(self.spec):
             raise ValueError(f"target {self.spec!r} is not of the form 'package.module:attribute.path'")
         if not callable(self.wrapper):
             shape = "make(name, switch)" if self.assign else "(wrapped, instance, args, kwargs)"
             raise TypeError(f"target {self.spec!r}: the wrapper must be a callable {shape}")
-        if self.probe is not None and not callable(self.probe):
-            raise TypeError(f"target {self.spec!r}: the probe must be a callable (original) -> reason or None")
+        if self.check is not None and not callable(self.check):
+            raise TypeError(f"target {self.spec!r}: the shape check must be a callable (original) -> reason or None")
         if self.assign and "." not in self.path:
             raise ValueError(f"target {self.spec!r}: assign=True needs 'package.module:Class.attribute'")
         if self.requires:
@@ -153,8 +175,10 @@ class BugProbe:
 
     ``library``: the distribution whose targets the answer decides (a patch with targets in trl and
     in transformers has one probe for each, so that a fix in one library does not silence the patch
-    in the other); ``""``, every target of the patch. ``needs``: modules the probe uses beside its
-    targets' own, which must have finished importing before it runs (it imports nothing itself).
+    in the other); ``""``, every target of the patch. ``needs``: modules the probe uses, which must
+    have finished importing before it runs (it imports nothing itself). Those of the
+    ``shim.selfcheck.bare`` builders it calls are added here, read from its code (:func:`needs_of`):
+    only the modules it takes from ``sys.modules`` itself are declared.
     A probe must be cheap (a millisecond or two), leave no trace (no file, no hook, no module-level
     state, no once-only warning of upstream's used up) and import nothing: ``shim.probing`` keeps the
     random states, the grad mode and the default device for it.
@@ -169,6 +193,46 @@ class BugProbe:
             raise TypeError("BugProbe: ask must be a callable () -> shim.Evidence")
         if isinstance(self.needs, str) or not all(_MODULE.match(name) for name in self.needs):
             raise ValueError(f"BugProbe: needs= must be a tuple of module names, not {self.needs!r}")
+        object.__setattr__(self, "needs", tuple(dict.fromkeys([*self.needs, *needs_of(self.ask)])))
+
+
+def needs_of(function: Callable[..., object]) -> tuple[str, ...]:
+    """The modules that the builders ``function`` names take (a builder says so in its ``needs``, as
+    ``shim.selfcheck.bare``'s do), read from the names its code uses: a global of its module, and a
+    name that is an attribute of a module it names (``bare`` and ``model``: ``bare.model``). Its
+    nested functions and classes, and the functions of its own module it names, are read too.
+    Nothing is run; a name that only looks like a builder's (``trainer.model`` beside ``bare``)
+    makes the probe wait for more, never for less."""
+    scope = getattr(function, "__globals__", None)
+    code = getattr(function, "__code__", None)
+    if not isinstance(scope, dict) or not isinstance(code, CodeType):
+        return ()
+    found: dict[str, None] = {}
+    todo, seen = [code], set()
+    while todo:
+        code = todo.pop(0)
+        if code in seen:
+            continue
+        seen.add(code)
+        todo += [const for const in code.co_consts if isinstance(const, CodeType)]
+        for named in _named(scope, code.co_names):
+            if isinstance(named, FunctionType) and named.__globals__ is scope:
+                todo.append(named.__code__)  # a helper of the probe's module
+            found.update(dict.fromkeys(_needs(named)))
+    return tuple(found)
+
+
+def _named(scope: dict[str, Any], names: tuple[str, ...]) -> list[object]:
+    """What ``names`` are in the probe's module, and in the modules among those."""
+    named = [scope[name] for name in names if name in scope]
+    modules = [vars(found) for found in named if isinstance(found, ModuleType)]
+    return named + [attributes[name] for attributes in modules for name in names if name in attributes]
+
+
+def _needs(builder: object) -> tuple[str, ...]:
+    """The modules a builder function says it needs (its ``needs``), else none."""
+    needs = vars(builder).get("needs", ()) if isinstance(builder, FunctionType) else ()
+    return needs if isinstance(needs, tuple) and all(isinstance(name, str) for name in needs) else ()
 
 
 @dataclass(frozen=True)
@@ -177,9 +241,11 @@ class Patch:
 
     ``distribution`` and ``requires`` are the patch's version gate. Targets are applied module by
     module, each right after its module is imported; if one fails, those already applied are
-    removed again. ``bug_probe`` asks the installed code whether it has the bug (:class:`BugProbe`, or
-    its ``ask`` function alone): ``python -m shim doctor`` asks it with the patch off and on, and the
-    engine asks it where the release cannot vouch for the code (``shim.probing``). ``consumers`` are ``fnmatch`` patterns of module names whose
+    removed again. ``bug_probe`` asks the installed code whether it has the bug: a :class:`BugProbe`,
+    or a tuple of them, one per library its targets live in (a function alone, as packs written
+    before may give, is read as ``BugProbe(function)``; :attr:`probes` holds them as a tuple):
+    ``python -m shim doctor`` asks it with the patch off and on, and the engine asks it where the
+    release cannot vouch for the code (``shim.probing``). ``consumers`` are ``fnmatch`` patterns of module names whose
     module-level references to a target are rebound to the wrapper while the patch is applied
     (for modules that did ``from target import name`` before the shim could wrap it).
     ``after`` and ``place`` put the patch's parts in the one order of the catalogue (``shim.order``):
@@ -206,6 +272,7 @@ class Patch:
     same_fix: tuple[SameFix, ...] = ()
     in_effect: Callable[[Any], list[str]] | None = None
     specifier: SpecifierSet = field(init=False, repr=False, compare=False)
+    probes: tuple[BugProbe, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not PATCH_NAME.match(self.name):
@@ -220,6 +287,7 @@ class Patch:
             raise TypeError(f"patch {self.name!r}: same_fix= must be a tuple of shim.SameFix")
         if self.in_effect is not None and not callable(self.in_effect):
             raise TypeError(f"patch {self.name!r}: in_effect= must be a callable (model) -> sentences")
+        object.__setattr__(self, "probes", self._read_probes())
         self._check_probes()
         try:
             object.__setattr__(self, "specifier", SpecifierSet(self.requires))
@@ -237,9 +305,8 @@ class Patch:
                 f"(its targets' libraries: {', '.join(self.libraries)})"
             )
 
-    @property
-    def probes(self) -> tuple[BugProbe, ...]:
-        """The patch's bug probes: ``bug_probe`` as a tuple of :class:`BugProbe` (``()``: none)."""
+    def _read_probes(self) -> tuple[BugProbe, ...]:
+        """``bug_probe`` as a tuple of :class:`BugProbe` (``()``: none)."""
         found = self.bug_probe
         if found is None:
             return ()
@@ -249,7 +316,7 @@ class Patch:
             if not all(isinstance(probe, BugProbe) for probe in found):
                 raise TypeError(f"patch {self.name!r}: bug_probe= as a tuple holds shim.BugProbe only")
             return found
-        if callable(found):
+        if callable(found):  # a function alone, as packs written before BugProbe give it
             return (BugProbe(found),)
         raise TypeError(f"patch {self.name!r}: bug_probe= must be a shim.BugProbe or a callable () -> shim.Evidence")
 

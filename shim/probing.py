@@ -1,29 +1,41 @@
-"""Asking a patch's bug probe (``Patch.bug_probe``) without a trace, and what it answered.
+"""The bug probes' life (``Patch.bug_probe``), in one room: when a probe is asked, waiting for the
+modules it needs, asking it without a trace, and what its answer does to the gate and the targets.
 
-Where a probe is asked is the gate's business (``shim.gating.why_asked``: a build between releases,
-a release newer than any measured, ``SHIM_PROBE``); what its answer decides, the entry's
-(``shim.entry``: the bug found, the patch applies; not found, it steps aside in that library). Here:
-one probe asked, once, the patch's own parts off (it is asked before they are placed, or inside
-``shim.disabled(name)``), so that it leaves no trace (:func:`_traceless`): torch's CPU random state,
-Python's and NumPy's are put back; gradients are on, the default device is the CPU and the default
-dtype float32, deterministic algorithms and anomaly detection are off, whatever the caller set;
-warnings are not shown, and effects the shim's other patches record inside it are not counted. An
-exception is an answer too: the probe failed, and the release decides.
+A probe is asked once per process where the release cannot vouch for the code (:func:`why_asked`),
+right before its library's targets are wrapped, once what it needs has finished importing (until
+then the release decides, or the targets wait with it where the release leaves the patch out:
+:class:`Probes`). It is asked with the patch's own parts off and leaves no trace (:func:`ask`); an
+exception is an answer too (the release decides). The bug found admits the patch outside its gate
+(:meth:`Probes.gate`); no bug, it steps aside in that library (:meth:`Probes.aside`,
+:meth:`Probes.step_aside`), unless ``SHIM_FORCE``. A patch's ``shim.entry.Entry`` keeps one
+:class:`Probes` and asks it; nothing else keeps a probe's state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import runtime
+from packaging.version import InvalidVersion, Version
+
+from . import gating, runtime
+from .ranges import and_
+from .settings import PROBE_MODES
 
 if TYPE_CHECKING:
-    from .patch import BugProbe, Evidence
+    from .layers import Layers
+    from .patch import BugProbe, Evidence, Patch
+
+log = logging.getLogger("shim")
+
+AUTO, ALWAYS, NEVER = PROBE_MODES
 
 
 class Answer(NamedTuple):
@@ -54,6 +66,218 @@ class Answer(NamedTuple):
         if self.evidence is None:
             return found | {"present": None, "detail": "", "error": self.error}
         return found | {"present": self.evidence.present, "detail": self.evidence.detail, "error": ""}
+
+
+# -- when a probe is asked -------------------------------------------------------------------------
+
+
+def why_asked(library: str, mode: str) -> str | None:
+    """Why the probe for ``library`` is asked here, or ``None`` where its release decides."""
+    if mode == NEVER:
+        return None
+    if mode == ALWAYS:
+        return "SHIM_PROBE=always"
+    installed = gating.installed_version(library)
+    if installed is None:
+        return None
+    between = _between_releases(installed)
+    if between:
+        return f"{library} {installed} is {between}"
+    return gating.newer_than_measured(library) or _not_from_a_release(library)
+
+
+def _between_releases(installed: str) -> str:
+    """``"a build between releases"`` where ``installed`` has a local, dev, pre- or post-release part."""
+    try:
+        version = Version(installed)
+    except InvalidVersion:
+        return "not a PEP 440 version"
+    if version.local or version.is_devrelease or version.is_prerelease or version.is_postrelease:
+        return "a build between releases"
+    return ""
+
+
+def _not_from_a_release(library: str) -> str | None:
+    """Where ``library`` was installed from its source rather than a release (PEP 610's
+    ``direct_url.json``: editable, or from a version-control system), a sentence that says so."""
+    kind = _install_kind(library)
+    return f"{library} is {kind}" if kind else None
+
+
+@functools.cache
+def _install_kind(library: str) -> str:
+    """How ``library`` was installed, where not from a release; read once per process (a tenth of a
+    millisecond once transformers has read the metadata at its own import)."""
+    import importlib.metadata
+    import json
+
+    try:
+        text = importlib.metadata.distribution(library).read_text("direct_url.json")
+        found = json.loads(text) if text else {}
+    except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+        return ""
+    if not isinstance(found, dict):
+        return ""
+    vcs = found.get("vcs_info")
+    if isinstance(vcs, dict):
+        return f"installed from {vcs.get('vcs', 'version control')} ({found.get('url', '')})"
+    directory = found.get("dir_info")
+    if isinstance(directory, dict) and directory.get("editable"):
+        return "an editable install"
+    return ""
+
+
+# -- one patch's probes ----------------------------------------------------------------------------
+
+
+#: ``off()``: a block with the patch's own parts off (``shim.entry.Entry``'s).
+OffSwitch = Callable[[], AbstractContextManager[None]]
+
+
+class Waiting(NamedTuple):
+    """A probe due whose ``needs`` have not all finished importing."""
+
+    probe: BugProbe
+    why: str  # why it is asked (:func:`why_asked`)
+    pending: tuple[str, ...]  # the modules it still waits for, at the last look
+
+
+class Probes:
+    """One patch's bug probes in this process: what each answered, by library (asked once, kept across
+    ``deactivate()`` and ``enable()``: the installed code does not change), those that wait for a
+    module they need, and the libraries the patch stepped aside in."""
+
+    __slots__ = ("answers", "waiting", "stepped_aside")
+
+    def __init__(self) -> None:
+        self.answers: dict[str, Answer] = {}
+        self.waiting: dict[str, Waiting] = {}
+        self.stepped_aside: set[str] = set()
+
+    def ask_due(
+        self, patch: Patch, module_names: list[str], ready: Callable[[str], bool], mode: str, off: OffSwitch
+    ) -> bool:
+        """Ask the probes due before the targets in ``module_names`` are wrapped, and those that waited,
+        once the modules each needs are ``ready`` (finished importing); the others wait. ``off``: the
+        patch's own parts off around each. Returns whether one was asked."""
+        self._schedule(patch, module_names, mode)
+        available = _importable(ready)
+        askable = {}
+        for library, (probe, why, _) in list(self.waiting.items()):
+            pending = tuple(name for name in probe.needs if not available(name))
+            if pending:
+                self.waiting[library] = Waiting(probe, why, pending)
+            else:  # out of the waiting ones before any is asked: a probe's code cannot ask it again
+                askable[library] = self.waiting.pop(library)
+        for library, (probe, why, _) in askable.items():
+            with off():
+                answer = self.answers[library] = ask(probe, library, why)
+            level = logging.WARNING if answer.present is None else logging.INFO
+            log.log(level, "%s: %s", patch.name, answer.said(gating.installed_version(library)))
+        return bool(askable)
+
+    def _schedule(self, patch: Patch, module_names: list[str], mode: str) -> None:
+        """Add the probes due before the targets in ``module_names`` are wrapped, and why each is asked
+        (:func:`why_asked`), to the waiting ones: those of their libraries not asked yet."""
+        libraries = {patch.library_of(target) for target in patch.targets if target.module in module_names}
+        for library in sorted(libraries - set(self.answers) - set(self.waiting)):
+            probe = patch.probe_for(library)
+            why = why_asked(library, mode) if probe is not None else None
+            if probe is not None and why is not None:
+                self.waiting[library] = Waiting(probe, why, ())
+
+    def needed(self, ready: Callable[[str], bool]) -> list[str]:
+        """The modules the waiting probes need that are not ``ready``: the registry hooks them."""
+        return [name for waiting in self.waiting.values() for name in waiting.probe.needs if not ready(name)]
+
+    def hold_targets(self, patch: Patch, forced: bool) -> bool:
+        """Whether the patch's targets wait with its probe: outside its gate, the probe of its own
+        distribution may yet find the bug there."""
+        return patch.distribution in self.waiting and gating.gate(patch, forced).skip is not None
+
+    def gate(self, by_release: gating.Gate, patch: Patch) -> gating.Gate:
+        """The gate once the probes asked here have answered: the probe of the patch's own
+        distribution that found the bug admits the patch where the release is outside the gate (a build
+        between releases that lacks upstream's fix). Any other answer leaves the gate as it is: one
+        that found no bug makes its library's targets step aside (:meth:`aside`), one that failed
+        leaves the decision to the release."""
+        answer = self.answers.get(patch.distribution)
+        if answer is None or by_release.skip is None:
+            return by_release
+        said = answer.said(by_release.versions.installed)
+        if answer.present:
+            return gating.Gate(by_release.versions, None, f"{by_release.versions.reason}, but {said}")
+        return by_release._replace(skip=f"{by_release.skip}; {said}")
+
+    def aside(self, forced: bool) -> dict[str, str]:
+        """The libraries where a probe found no bug, each with what the status says of it: the patch
+        steps aside there (not under ``SHIM_FORCE``)."""
+        if forced:
+            return {}
+        found = {library: answer for library, answer in self.answers.items() if answer.present is False}
+        return {library: f"steps aside: {_said(answer)}" for library, answer in found.items()}
+
+    def step_aside(self, patch: Patch, layers: Layers, forced: bool) -> list[str]:
+        """Take the patch's parts off the targets of each library whose probe found no bug (they were
+        placed while it waited); returns what the status says of each."""
+        notes = []
+        for library, note in self.aside(forced).items():
+            modules = {target.module for target in patch.targets if patch.library_of(target) == library}
+            if layers.remove(modules):
+                self.stepped_aside.add(library)
+                notes.append(note)
+        return notes
+
+    def problem(self) -> str | None:
+        """What strict mode raises for: a probe that could not run."""
+        return "; ".join(_said(answer) for answer in self.answers.values() if answer.present is None) or None
+
+    def said(self, forced: bool) -> list[str]:
+        """What each probe answered here, a sentence each (:meth:`Answer.said`), and where one still
+        waits for a module it needs."""
+        said = []
+        for answer in self.answers.values():
+            sentence = _said(answer)
+            if answer.present is False and forced:
+                sentence += "; applied anyway because of SHIM_FORCE"
+            said.append(sentence)
+        for library, (_, why, pending) in self.waiting.items():
+            verb = "finishes" if len(pending) == 1 else "finish"
+            said.append(f"its bug probe for {library} is asked once {and_(list(pending))} {verb} importing ({why})")
+        return said
+
+    @property
+    def decided(self) -> bool:
+        """Whether an answer decided: it found the bug, or the patch stepped aside on what it found."""
+        return bool(self.stepped_aside) or any(answer.present for answer in self.answers.values())
+
+
+def _said(answer: Answer) -> str:
+    return answer.said(gating.installed_version(answer.library))
+
+
+def _importable(ready: Callable[[str], bool]) -> Callable[[str], bool]:
+    """Whether a module a probe needs is ready for it: finished importing, or not there at all in this
+    release (the probe then takes the release's other way, and says so)."""
+
+    def ready_or_absent(name: str) -> bool:
+        if ready(name):
+            return True
+        parent_name = name.rpartition(".")[0]
+        parent = sys.modules.get(parent_name) if parent_name else None
+        if parent_name and (parent is None or getattr(getattr(parent, "__spec__", None), "_initializing", False)):
+            return False  # looking it up would import (and lock) its package: wait for it instead
+        import importlib.util
+
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+
+    return ready_or_absent
+
+
+# -- asking one probe ------------------------------------------------------------------------------
 
 
 def ask(probe: BugProbe, library: str, why: str) -> Answer:

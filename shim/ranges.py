@@ -1,4 +1,5 @@
-"""How a range is written for people: one way, wherever the shim shows one.
+"""How a version range, a run of numbers and a list of names are written for people: one way,
+wherever the shim shows one.
 
 A version range: ``packaging`` prints a ``SpecifierSet`` sorted as text (``<5.23,>=5.16``); a person
 writes the lower bound first (``>=5.16,<5.23``). The status reasons, ``python -m shim``, doctor, the
@@ -9,6 +10,9 @@ everywhere.
 A run of numbers: ``0-3`` (:func:`runs`), for the layers ``shim.in_effect`` lists, the ranks and Ray
 workers of the exit report, and the first-step audit's parameter names (``model.layers.{0..3}``,
 in braces and with ``..`` there, since the run sits inside a dotted name).
+
+A list of names reads ``a``, ``a and b``, ``a, b and c`` (:func:`and_`): the modules a patch waits
+for, those a bug probe waits for.
 
 Standard library only: ``import shim`` may load it, and nothing here needs ``packaging``.
 """
@@ -59,3 +63,8 @@ def runs(numbers: Iterable[int], to: str = "-") -> list[str]:
         else:
             spans.append([number, number])
     return [str(first) if first == last else f"{first}{to}{last}" for first, last in spans]
+
+
+def and_(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""

@@ -22,8 +22,8 @@ from .settings import PatchError
 
 if TYPE_CHECKING:
     from .patch import Patch
-    from .records import PatchStatus
     from .runtime import Switch
+    from .statuses import PatchStatus
 
 log = logging.getLogger("shim")
 
@@ -46,11 +46,13 @@ class Registry:
         for patch in [*settled.ordered, *refused]:
             self.register(patch)
 
-    def register(self, patch: Patch | Listing, *, settled: bool = False) -> Patch | Listing:
+    def register(self, patch: Patch | Listing, *, ordered: bool = False, settled: bool = False) -> Patch | Listing:
         """Add ``patch``; if the registry is active it is applied now or on its targets' import.
         Its parts sit outside those of every patch registered before it in the same place
         (``shim.order``); an ``after`` that cannot hold raises :class:`shim.order.OrderError`.
-        ``settled``: its order was decided with its peers' already (``shim.packs``)."""
+        ``ordered``: its order was decided with its peers' already (``shim.packs``); ``settled`` is
+        that keyword's old name, still taken."""
+        ordered = ordered or settled
         record = patch if isinstance(patch, Listing) else Listing.of(patch)
         with self._lock:
             existing = self._entries.get(patch.name)
@@ -58,7 +60,7 @@ class Registry:
                 if existing.declared is patch or existing.load() == record.load():
                     return patch
                 raise ValueError(f"a different patch named {patch.name!r} is already registered")
-            if not settled:
+            if not ordered:
                 self.check_order(record)
             self._entries[patch.name] = Entry(record, active=self._active, sequence=len(self._entries))
             active = self._active
@@ -170,9 +172,9 @@ class Registry:
     # -- reporting ------------------------------------------------------------------------------
 
     def status(self) -> list[PatchStatus]:
-        """One record per patch: its state and why, its versions, and what it changed so far."""
+        """One status per patch: its state and why, its versions, and what it changed so far."""
         with forks.lazy_imports:
-            from .records import status_of
+            from .statuses import status_of
 
         try:  # a target module imported past the shim's hook is patched now, and says so
             importhooks.sweep("shim.status()")

@@ -7,14 +7,15 @@ applies), ordered with every other step by its patch's place in the catalogue-wi
 (``Patch.after``, ``Patch.place``: ``shim.order``); nothing else is edited for a new step::
 
     from shim import Patch, record_effect
-    from shim.checkpointing import Step, eager, hand_over, in_effect, is_reentrant, probe, targets
+    from shim.checkpointing import Step, check, eager, hand_over, in_effect, is_reentrant, targets
 
     STEP = Step(applies=is_reentrant, act=_act)
-    PATCH = Patch(name=NAME, ..., targets=targets(STEP, probe=probe), in_effect=in_effect(STEP, "..."))
+    PATCH = Patch(name=NAME, ..., targets=targets(STEP, check=check), in_effect=in_effect(STEP, "..."))
 
 - :mod:`shim.checkpointing.path`: the path itself: :class:`Step`, :func:`targets` (the two targets
-  every step's patch takes, :data:`SLOT` and :data:`SETSTATE`), the shared call-shape :func:`probe`,
-  :func:`in_effect`, and :data:`ATTRIBUTE`, the layer's attribute the path watches.
+  every step's patch takes, :data:`SLOT` and :data:`SETSTATE`), the shared shape :func:`check` of
+  the call (``probe``, its old name), :func:`in_effect`, and :data:`ATTRIBUTE`, the layer's
+  attribute the path watches.
 - :mod:`shim.checkpointing.function`: what a layer holds where a step applies
   (:class:`LayerCheckpoint`) and what a step uses to read and hand over a call: :func:`hand_over`,
   :class:`LayerMethod`, :func:`layer_of`, :func:`is_reentrant`, :func:`any_grad`,
@@ -38,7 +39,7 @@ from .function import (
     layer_of,
     wants_grad,
 )
-from .path import ATTRIBUTE, SETSTATE, SLOT, Step, in_effect, probe, targets
+from .path import ATTRIBUTE, SETSTATE, SLOT, Step, check, in_effect, probe, targets
 
 __all__ = [
     "ATTRIBUTE",
@@ -49,6 +50,7 @@ __all__ = [
     "Step",
     "any_grad",
     "bind_torch",
+    "check",
     "eager",
     "hand_over",
     "in_effect",

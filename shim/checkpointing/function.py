@@ -112,7 +112,7 @@ class LayerCheckpoint(functools.partial[Any]):
     names: tuple[str, ...]
 
     def __call__(self, function: Any, *args: Any, **options: Any) -> Any:
-        if type(function) is _partial:  # the call shape the probe checked
+        if type(function) is _partial:  # the call shape path.check checked
             layer = None
             handed_over, inputs = function, args
             try:

@@ -93,11 +93,15 @@ class Step:
             raise TypeError("Step: a step with an act needs applies(function)")
 
 
-def targets(step: Step, probe: Callable[[Any], str | None] | None = None) -> tuple[Target, Target]:
-    """The path's two targets with ``step``'s parts, for its patch's ``targets``."""
+def targets(
+    step: Step, check: Callable[[Any], str | None] | None = None, *, probe: Callable[[Any], str | None] | None = None
+) -> tuple[Target, Target]:
+    """The path's two targets with ``step``'s parts, for its patch's ``targets``; ``check``: the slot's
+    shape check (``probe=``, its old name, still taken)."""
     if not isinstance(step, Step):
         raise TypeError(f"targets() takes a shim.checkpointing.Step, not {type(step).__name__}")
-    return Target(SLOT, functools.partial(_part, step), probe=probe, assign=True), Target(SETSTATE, _given_again)
+    slot = Target(SLOT, functools.partial(_part, step), check=check, assign=True, probe=probe)
+    return slot, Target(SETSTATE, _given_again)
 
 
 def _part(step: Step, name: str, switch: Switch) -> Assigned:
@@ -170,16 +174,19 @@ def _given_again(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ..
 # -- the call shape the steps need, checked when transformers.modeling_layers is imported -----------
 
 
-_probed: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()  # class -> what probe() found
+_checked: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()  # class -> what check() found
 
 
-def probe(layer_class: Any) -> str | None:
-    """A layer must call ``_gradient_checkpointing_func(partial(fn, **kwargs), *args)`` with itself
-    findable by :func:`shim.checkpointing.layer_of`. The patches with a step share the answer (one
-    probe per class, not one per patch)."""
-    if layer_class not in _probed:
-        _probed[layer_class] = _call_shape_problem(layer_class)
-    return _probed[layer_class]
+def check(layer_class: Any) -> str | None:
+    """The slot's shape check: a layer must call ``_gradient_checkpointing_func(partial(fn, **kwargs),
+    *args)`` with itself findable by :func:`shim.checkpointing.layer_of`. The patches with a step share
+    the answer (one check per class, not one per patch)."""
+    if layer_class not in _checked:
+        _checked[layer_class] = _call_shape_problem(layer_class)
+    return _checked[layer_class]
+
+
+probe = check  # its old name, for packs written before the shape check was named apart from the bug probe
 
 
 def _call_shape_problem(layer_class: Any) -> str | None:
@@ -187,7 +194,7 @@ def _call_shape_problem(layer_class: Any) -> str | None:
     block, a default dtype, no_grad, inference mode)."""
     import torch
 
-    class _ProbeLayer(layer_class):  # type: ignore[misc]  # a GradientCheckpointingLayer, which mypy does not follow
+    class _CheckedLayer(layer_class):  # type: ignore[misc]  # a GradientCheckpointingLayer, which mypy does not follow
         def forward(self, first: Any, second: Any = None) -> Any:
             return first + second
 
@@ -198,10 +205,10 @@ def _call_shape_problem(layer_class: Any) -> str | None:
         return function(*args)
 
     with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
-        layer = _ProbeLayer()
+        layer = _CheckedLayer()
         layer.train()
         layer.gradient_checkpointing = True
-        layer.__dict__[ATTRIBUTE] = record  # past the slot: no step may act on the probe
+        layer.__dict__[ATTRIBUTE] = record  # past the slot: no step may act on the check
         first = torch.zeros(1, dtype=torch.float32, device="cpu")
         second = torch.ones(1, dtype=torch.float32, device="cpu")
         result = layer(first, second=second)

@@ -1,26 +1,45 @@
 """Bare models for the bug probes (``Patch.bug_probe``): transformers classes instantiated without a
 config or weights worth loading, in well under a millisecond, from modules that are already imported.
 
-A probe imports nothing (``shim.probing``): these builders take transformers' classes from
-``sys.modules`` (a ``KeyError`` there is a probe that cannot run, and the release decides) and
-make their classes anew on each call, so that nothing of a probe outlives it. Parameters are
-float32 on the CPU, seeded: ``shim.probing`` puts the random state back afterwards.
+A probe imports nothing (``shim.probing``): these builders take torch's and transformers' classes
+from ``sys.modules`` and make their classes anew on each call, so that nothing of a probe outlives
+it. Each builder says which modules it takes (its ``needs``): a ``shim.BugProbe`` reads the builders
+its probe calls and waits for those modules to finish importing, so a probe never declares them (one
+that ran before them could not tell). Parameters are float32 on the CPU, seeded: ``shim.probing``
+puts the random state back afterwards.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 #: Where the probes find transformers' model and layer classes.
 MODELING_UTILS = "transformers.modeling_utils"
 MODELING_LAYERS = "transformers.modeling_layers"
+CHECKPOINT = "torch.utils.checkpoint"
+
+_Builder = TypeVar("_Builder", bound=Callable[..., Any])
 
 
+def _taking(*modules: str) -> Callable[[_Builder], _Builder]:
+    """Mark a builder with the modules it takes from ``sys.modules``, itself or through the builders
+    it calls (``shim.patch.needs_of`` reads them)."""
+
+    def mark(builder: _Builder) -> _Builder:
+        builder.needs = modules  # type: ignore[attr-defined]  # a function's attribute
+        return builder
+
+    return mark
+
+
+@_taking("torch")
 def torch_module() -> Any:
     return sys.modules["torch"]
 
 
+@_taking("torch")
 def seed(value: int = 0) -> None:
     """Seed torch's CPU generator alone: ``torch.manual_seed`` also queues a seed for CUDA, to be
     applied when CUDA initialises, which would outlive the probe (``shim.probing`` puts the CPU
@@ -28,6 +47,7 @@ def seed(value: int = 0) -> None:
     torch_module().random.default_generator.manual_seed(value)
 
 
+@_taking("torch")
 def linear(width: int = 2) -> Any:
     """A seeded float32 ``Linear(width, width)`` on the CPU."""
     torch = torch_module()
@@ -35,6 +55,7 @@ def linear(width: int = 2) -> Any:
     return torch.nn.Linear(width, width, dtype=torch.float32, device="cpu")
 
 
+@_taking("torch", MODELING_LAYERS)
 def layer_class() -> type:
     """A ``GradientCheckpointingLayer`` holding one ``Linear``, whose ``forward`` takes the hidden
     states positionally or by keyword and returns the linear map of them plus every tensor its other
@@ -56,6 +77,7 @@ def layer_class() -> type:
     return ProbeLayer
 
 
+@_taking("torch")
 def tensors_in(value: Any) -> list[Any]:
     """The tensors ``value`` holds, itself one or in tuples, lists and dicts, in order."""
     if isinstance(value, torch_module().Tensor):
@@ -67,11 +89,13 @@ def tensors_in(value: Any) -> list[Any]:
     return []
 
 
+@_taking("torch", MODELING_LAYERS)
 def layer() -> Any:
     """One layer of :func:`layer_class`, in training mode."""
     return layer_class()().train()
 
 
+@_taking("torch", MODELING_LAYERS)
 def checkpointing_layer(function: Any, cls: type | None = None) -> Any:
     """A layer of :func:`layer_class` (or of ``cls``) checkpointing with ``function``, assigned as a
     user assigns it (the shim's checkpointing path sees the assignment)."""
@@ -81,13 +105,15 @@ def checkpointing_layer(function: Any, cls: type | None = None) -> Any:
     return built
 
 
+@_taking(CHECKPOINT)
 def reentrant_checkpoint() -> Any:
     """``functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)``, as transformers builds it."""
     import functools
 
-    return functools.partial(sys.modules["torch.utils.checkpoint"].checkpoint, use_reentrant=True)
+    return functools.partial(sys.modules[CHECKPOINT].checkpoint, use_reentrant=True)
 
 
+@_taking(MODELING_UTILS)
 def model_class(base: type | None = None) -> type:
     """A ``PreTrainedModel`` subclass (or one of ``base``) whose input embeddings are ``self.embed``."""
     base = base or sys.modules[MODELING_UTILS].PreTrainedModel
@@ -108,21 +134,34 @@ def model_class(base: type | None = None) -> type:
     return ProbeModel
 
 
+@_taking("torch", MODELING_UTILS, MODELING_LAYERS)
 def model(layers: int = 2, cls: type | None = None) -> Any:
     """A bare model of :func:`model_class` (or of ``cls``): ``embed`` (4 tokens of width 2) and
     ``layers`` layers of :func:`layer_class`, in training mode, built without its ``__init__`` (no
-    config): ``nn.Module``'s alone."""
+    config): ``nn.Module``'s alone. Without layers: :func:`model_without_layers`, which does not
+    need ``transformers.modeling_layers``."""
+    built = model_without_layers(cls)
+    layer_type = layer_class() if layers else None
+    if layer_type is not None:
+        built.layers.extend(layer_type() for _ in range(layers))
+    return built
+
+
+@_taking("torch", MODELING_UTILS)
+def model_without_layers(cls: type | None = None) -> Any:
+    """A bare model of :func:`model_class` (or of ``cls``) with its ``embed`` and no layers (an empty
+    ``layers``), in training mode."""
     torch = torch_module()
     cls = cls or model_class()
     built: Any = object.__new__(cls)
     torch.nn.Module.__init__(built)
     seed()
     built.embed = torch.nn.Embedding(4, 2, dtype=torch.float32, device="cpu")
-    layer_type = layer_class() if layers else None
-    built.layers = torch.nn.ModuleList(layer_type() for _ in range(layers)) if layer_type else torch.nn.ModuleList()
+    built.layers = torch.nn.ModuleList()
     return built.train()
 
 
+@_taking("torch")
 def forwarding(inner: Any) -> Any:
     """A module holding ``inner`` (as ``inner``) that answers the attributes it lacks with
     ``inner``'s, as a ``PeftModel``, peft's ``ModulesToSaveWrapper`` and torch's ``CheckpointWrapper`` do."""

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..packs import GROUP
 from ..ranges import version_range
-from ..records import links
 from ..registry import Registry
+from ..statuses import links
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 _ITEM = re.compile(r"^(\s*)([-*]|\d+\.) ")

@@ -150,7 +150,7 @@ def newer_than_measured() -> list[str]:
     """Below the status table, once per distribution (the reasons above say it per patch): each
     installed release newer than the newest the shim was measured on."""
     from .. import gating
-    from ..records import RUN_DOCTOR
+    from ..statuses import RUN_DOCTOR
 
     notes = (gating.newer_than_measured(name) for name in gating.newest_measured())
     return [f"note: {note}: {RUN_DOCTOR}" for note in notes if note]

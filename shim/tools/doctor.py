@@ -22,7 +22,7 @@ from .targets import import_quietly, import_targets
 if TYPE_CHECKING:
     from ..patch import Patch
     from ..probing import Answer
-    from ..records import PatchStatus
+    from ..statuses import PatchStatus
 
 FIXED = "fixed"
 NOT_FIXED = "NOT FIXED"

@@ -71,7 +71,7 @@ This docstring is what ``python -m shim explain {name}`` prints below the summar
 
 import sys
 
-from shim import Evidence, Patch, Target
+from shim import BugProbe, Evidence, Patch, Target
 
 NAME = "{name}"
 
@@ -105,7 +105,7 @@ PATCH = Patch(
     distribution="transformers",
     requires="{requires}",
     targets=(Target("{target}", _fix),),
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )
 '''
 

@@ -22,8 +22,8 @@ from ..gating import check_versions, installed_version, specifier_set
 
 if TYPE_CHECKING:
     from ..patch import Patch
-    from ..records import PatchStatus
     from ..registry import Registry
+    from ..statuses import PatchStatus
 
 #: What a patch does here, the kinds of the summary line.
 APPLIES = "applies"
@@ -104,7 +104,7 @@ def _targets_missed(registry: Registry, name: str) -> tuple[str, str] | None:
 
 def _probe_asked(registry: Registry, name: str) -> str:
     """Why the patch's bug probes will be asked at its targets' import (``shim.probing``), or ``""``."""
-    from ..gating import why_asked
+    from ..probing import why_asked
     from ..settings import probe_mode
 
     try:

@@ -17,7 +17,7 @@ from ..entry import APPLIED
 from ..ranges import runs
 
 if TYPE_CHECKING:
-    from ..records import PatchStatus
+    from ..statuses import PatchStatus
     from .outlook import Outlook
 
 #: Columns a table, report or help text fits, unless the user asks for ``--wide``.

@@ -16,7 +16,7 @@ from . import processes, ranks, rayjobs, workers
 from .render import Row, effects_table, idle_group
 
 if TYPE_CHECKING:
-    from ..records import PatchStatus
+    from ..statuses import PatchStatus
 
 
 def report(

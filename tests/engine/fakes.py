@@ -20,9 +20,9 @@ def tagging(tag):
     return wrapper
 
 
-def make_patch(pkg, *paths, name="demo", requires=">=1.0", probe=None, **extra):
+def make_patch(pkg, *paths, name="demo", requires=">=1.0", check=None, **extra):
     paths = paths or ("target:f",)
-    targets = tuple(Target(f"{pkg}.{path}", tagging(name), probe=probe) for path in paths)
+    targets = tuple(Target(f"{pkg}.{path}", tagging(name), check=check) for path in paths)
     return Patch(name=name, summary="demo", distribution=pkg, requires=requires, targets=targets, **extra)
 
 

@@ -34,9 +34,9 @@ def doubling(seen):
     return assigned
 
 
-def make_patch(pkg, assigned, name="demo", attribute="slot", probe=None, after=()):
+def make_patch(pkg, assigned, name="demo", attribute="slot", check=None, after=()):
     """A patch whose part on ``Layer.<attribute>`` is ``assigned(instance, value)``, whatever it is handed."""
-    target = Target(f"{pkg}.target:Layer.{attribute}", lambda name, switch: assigned, assign=True, probe=probe)
+    target = Target(f"{pkg}.target:Layer.{attribute}", lambda name, switch: assigned, assign=True, check=check)
     return Patch(name=name, summary="demo", distribution=pkg, requires=">=1.0", targets=(target,), after=after)
 
 
@@ -138,10 +138,10 @@ def test_a_second_registry_adopts_the_layer_instead_of_adding_one(fake_modules):
     assert layer.slot == 2
 
 
-def test_the_probe_is_given_the_class_and_a_missing_class_skips(fake_modules):
+def test_the_shape_check_is_given_the_class_and_a_missing_class_skips(fake_modules):
     pkg = fake_modules(target=TARGET)
     given = []
-    registry = Registry([make_patch(pkg, doubling([]), probe=lambda owner: given.append(owner))])
+    registry = Registry([make_patch(pkg, doubling([]), check=lambda owner: given.append(owner))])
     registry.activate()
     module = importlib.import_module(f"{pkg}.target")
     assert given == [module.Layer]
@@ -155,10 +155,10 @@ def test_the_probe_is_given_the_class_and_a_missing_class_skips(fake_modules):
     assert status.state == SKIPPED and "does not exist" in status.reason
 
 
-def test_strict_mode_raises_on_a_probe_that_finds_the_shape_changed(fake_modules, monkeypatch):
+def test_strict_mode_raises_on_a_shape_check_that_finds_the_shape_changed(fake_modules, monkeypatch):
     pkg = fake_modules(target=TARGET)
     monkeypatch.setenv("SHIM_STRICT", "1")
-    registry = Registry([make_patch(pkg, doubling([]), probe=lambda owner: "the call shape changed")])
+    registry = Registry([make_patch(pkg, doubling([]), check=lambda owner: "the call shape changed")])
     registry.activate()
     with pytest.raises(PatchError, match="the call shape changed"):
         importlib.import_module(f"{pkg}.target")

@@ -35,7 +35,7 @@ def start(pkg, state, **patch):
         advance(entry)
     elif state is FAILED:
         importlib.import_module(f"{pkg}.target")
-        entry = Entry(make_patch(pkg, probe=lambda original: 1 / 0), active=True)
+        entry = Entry(make_patch(pkg, check=lambda original: 1 / 0), active=True)
         advance(entry)
     elif state is DISABLED:
         entry.disable()
@@ -52,7 +52,7 @@ TRANSITIONS = [
     (PENDING, "advance: target module not imported", PENDING, False),
     (PENDING, "advance: target module imported", APPLIED, False),
     (PENDING, "advance: outside its gate", SKIPPED, True),
-    (PENDING, "advance: the probe raises", FAILED, True),
+    (PENDING, "advance: the shape check raises", FAILED, True),
     (PENDING, "advance: SHIM_DISABLE=all", DISABLED, False),
     (PENDING, "disable()", DISABLED, False),
     (PENDING, "refresh: outside its gate", SKIPPED, False),
@@ -82,9 +82,9 @@ def happen(entry, pkg, event):
         importlib.import_module(f"{pkg}.target")
         entry = Entry(make_patch(pkg, requires=">=9"), active=True)
         advance(entry)
-    elif event == "advance: the probe raises":
+    elif event == "advance: the shape check raises":
         importlib.import_module(f"{pkg}.target")
-        entry = Entry(make_patch(pkg, probe=lambda original: 1 / 0), active=True)
+        entry = Entry(make_patch(pkg, check=lambda original: 1 / 0), active=True)
         advance(entry)
     elif event == "advance: SHIM_DISABLE=all":
         advance(entry, OPTED_OUT)

@@ -1,5 +1,5 @@
 """Whether a patch applies, on throwaway modules: version gates and their rule for dev builds,
-``SHIM_FORCE``, each target's own requirement, shape probes, and which problems strict mode raises."""
+``SHIM_FORCE``, each target's own requirement, shape checks, and which problems strict mode raises."""
 
 import importlib
 import importlib.abc
@@ -107,18 +107,18 @@ def test_strict_mode_raises_on_apply_failures_only(fake_modules, monkeypatch):
     Registry([make_patch(pkg, requires=">=9")]).activate()
 
 
-def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypatch, caplog):
+def test_a_failing_shape_check_or_hook_never_breaks_the_import(fake_modules, monkeypatch, caplog):
     pkg = fake_modules(target=TARGET, other=TARGET)
 
-    def exploding_probe(original):
+    def exploding_check(original):
         raise RuntimeError("boom")
 
-    registry = Registry([make_patch(pkg, probe=exploding_probe)])
+    registry = Registry([make_patch(pkg, check=exploding_check)])
     registry.activate()
     module = importlib.import_module(f"{pkg}.target")
     assert module.f(1) == 1
     current, reason = state(registry)
-    assert current == FAILED and reason.startswith(f"the shape probe of {pkg}.target:f raised RuntimeError('boom')")
+    assert current == FAILED and reason.startswith(f"the shape check of {pkg}.target:f raised RuntimeError('boom')")
     assert "not a sign that upstream changed" in reason and "shim.enable('demo') tries again" in reason
 
     broken = Registry([make_patch(pkg, "other:f")])
@@ -130,9 +130,9 @@ def test_a_failing_probe_or_hook_never_breaks_the_import(fake_modules, monkeypat
     assert "unexpected error in the post-import hook" in caplog.text
 
 
-def test_probe_reason_is_shown(fake_modules):
+def test_the_shape_checks_reason_is_shown(fake_modules):
     pkg = fake_modules(target=TARGET)
-    registry = Registry([make_patch(pkg, probe=lambda original: "signature changed: f(y)")])
+    registry = Registry([make_patch(pkg, check=lambda original: "signature changed: f(y)")])
     registry.activate()
     importlib.import_module(f"{pkg}.target")
     assert state(registry) == (SKIPPED, f"signature changed: f(y) ({pkg} 1.2.0 is inside >=1.0)")

@@ -2,10 +2,12 @@
 modules: the releases it is asked on, ``SHIM_PROBE``, stepping aside, a probe that fails or waits for
 a module, per library, ``SHIM_FORCE`` and strict mode, and what a probe may not leave behind."""
 
+import functools
 import importlib
 import json
 import logging
 import random
+import types
 import warnings
 
 import pytest
@@ -22,7 +24,6 @@ from shim import (
     Registry,
     ShimWarning,
     Target,
-    gating,
     probing,
     runtime,
 )
@@ -135,7 +136,7 @@ def test_a_release_newer_than_measured_is_probed(fake_modules, monkeypatch, meas
 def test_an_editable_or_version_control_install_is_probed(fake_modules, monkeypatch, tmp_path, direct_url, said):
     pkg = built(fake_modules, monkeypatch)
     (tmp_path / f"{pkg}-1.2.0.dist-info" / "direct_url.json").write_text(json.dumps(direct_url))
-    assert gating.why_asked(pkg, "auto") == f"{pkg} {said}"
+    assert probing.why_asked(pkg, "auto") == f"{pkg} {said}"
     registry = Registry([make_patch(pkg, bug_probe=finds(False, "f"))])
     registry.activate()
     assert not wrapped(pkg)
@@ -281,6 +282,71 @@ def test_a_module_a_probe_needs_that_this_release_lacks_does_not_hold_it(fake_mo
     registry = Registry([make_patch(pkg, bug_probe=BugProbe(finds(False, "f"), needs=(f"{pkg}.absent",)))])
     registry.activate()
     assert not wrapped(pkg) and record(registry).state == SKIPPED
+
+
+# -- what a probe needs follows from the builders it calls ---------------------------------------------
+
+builders = types.ModuleType("builders")  # stands for shim.selfcheck.bare, whose builders say what they take
+
+
+def build():
+    """A builder: what it takes from ``sys.modules`` is given to each test (``needs``)."""
+    return "built"
+
+
+builders.build = build
+
+
+def asking_through_a_helper():
+    return helping()
+
+
+def helping():
+    builders.build()  # a helper of the probe's own module, called from the probe: read too
+    return Evidence(False, "f is fixed")
+
+
+def test_a_probe_needs_what_the_builders_it_calls_take_without_declaring_it(fake_modules, monkeypatch):
+    """A probe that calls a builder but declares nothing waits for what the builder takes: forgetting
+    its ``needs`` cannot make it answer "could not tell" where it should decide."""
+    pkg = built(fake_modules, monkeypatch, "1.2.1.dev0", later="")
+    monkeypatch.setattr(build, "needs", (f"{pkg}.later",), raising=False)
+    probe = BugProbe(asking_through_a_helper, needs=(f"{pkg}.target",))
+    assert probe.needs == (f"{pkg}.target", f"{pkg}.later")
+    registry = Registry([make_patch(pkg, bug_probe=probe)])
+    registry.activate()
+    assert wrapped(pkg), "meanwhile the release decides"
+    assert f"asked once {pkg}.later finishes importing" in record(registry).reason
+    importlib.import_module(f"{pkg}.later")
+    status = record(registry)
+    assert status.state == SKIPPED and "steps aside" in status.reason
+
+
+class Loud:
+    def __getattr__(self, name):
+        raise AssertionError("an attribute of an object is never looked up: it could run code")
+
+
+stand_in = Loud()
+
+
+def test_reading_what_a_probe_needs_runs_nothing_and_follows_only_names_it_looks_up(monkeypatch):
+    monkeypatch.setattr(build, "needs", ("a.module",), raising=False)
+
+    def nested():
+        def inner():
+            return builders.build()
+
+        class Layer:
+            made = builders.build
+
+        return inner, Layer
+
+    assert BugProbe(nested).needs == ("a.module",), "nested functions and classes are read"
+    assert BugProbe(lambda: stand_in.assemble()).needs == ()
+    assert BugProbe(lambda: stand_in.build()).needs == ("a.module",), "a name like a builder's: more, never less"
+    assert BugProbe(lambda: Evidence(True, "no builder")).needs == ()
+    assert BugProbe(functools.partial(asking_through_a_helper)).needs == (), "no code of its own: declare needs"
 
 
 # -- a probe leaves no trace ---------------------------------------------------------------------------------

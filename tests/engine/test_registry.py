@@ -158,6 +158,30 @@ def test_patch_declarations_are_validated():
         Target("no-colon", tagging("x"))
 
 
+def test_a_targets_shape_check_is_still_taken_by_its_old_name_probe():
+    """``Target(..., check=...)`` was ``probe=`` before the shape check was named apart from the bug
+    probe: a pack written then declares as it did."""
+
+    def check(original):
+        return None
+
+    wrapper = tagging("x")
+    assert Target("json:dumps", wrapper, probe=check) == Target("json:dumps", wrapper, check=check)
+    assert Target("json:dumps", wrapper, probe=check).check is check
+    with pytest.raises(TypeError, match="not both"):
+        Target("json:dumps", wrapper, check=check, probe=check)
+
+
+def test_register_takes_ordered_and_its_old_name_settled(fake_modules):
+    """``ordered=True`` (``settled=True`` before): the order was decided with its peers' already, so
+    ``register`` does not check it again."""
+    pkg = fake_modules(target=TARGET)
+    for keyword in ("ordered", "settled"):
+        registry = Registry()
+        registry.register(make_patch(pkg, after=("not-registered",)), **{keyword: True})
+        assert registry.names == ("demo",)
+
+
 def test_shim_register_puts_a_users_patch_in_the_process_registry(fake_modules):
 
     pkg = fake_modules(target=TARGET)

@@ -325,8 +325,9 @@ def test_calling_a_wrapped_method_through_the_class_binds_its_first_argument():
 def test_a_target_without_a_callable_wrapper_is_refused_at_declaration():
     with pytest.raises(TypeError, match="the wrapper must be a callable"):
         shim.Target("json:dumps", None)
-    with pytest.raises(TypeError, match="the probe must be a callable"):
-        shim.Target("json:dumps", lambda *a: None, probe="not callable")
+    for keyword in ("check", "probe"):  # probe=: the shape check's old name
+        with pytest.raises(TypeError, match="the shape check must be a callable"):
+            shim.Target("json:dumps", lambda *a: None, **{keyword: "not callable"})
 
 
 RELOAD = """
@@ -529,10 +530,10 @@ for name in ["__init__", "busy"] + [f"child{{i}}" for i in range({children})]:
 sys.path.insert(0, root)
 def passthrough(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
-def slow_failing_probe(original):  # runs under the registry's lock, each time enable() retries it
+def slow_failing_check(original):  # runs under the registry's lock, each time enable() retries it
     time.sleep(0.002)
-    raise RuntimeError("a probe that takes its time")
-busy = Patch("busy", "s", pkg, ">=1", (Target(pkg + ".busy:f", passthrough, probe=slow_failing_probe),))
+    raise RuntimeError("a shape check that takes its time")
+busy = Patch("busy", "s", pkg, ">=1", (Target(pkg + ".busy:f", passthrough, check=slow_failing_check),))
 waiting = Patch("waiting", "s", pkg, ">=1", tuple(Target(f"{{pkg}}.child{{i}}:f", passthrough) for i in range({children})))
 registry = Registry([busy, waiting])
 importlib.import_module(pkg + ".busy")
@@ -676,7 +677,7 @@ print(json.dumps({{"forks": forks, "hung": hung}}))
 
 
 def test_no_child_forked_while_threads_read_the_status_hangs_on_the_shims_lazy_imports():
-    # A thread reading the status for the first time imports shim.records (and what it imports); a
+    # A thread reading the status for the first time imports shim.statuses (and what it imports); a
     # child forked during that import waited forever for Python's lock on the module (36 children in
     # 40 forked inside that window hung). The forking thread now waits for such an import to finish.
     out = run_script(STATUS_FORKS.format(forks=200, per_process=10, window=0.035), timeout=300)

@@ -6,7 +6,7 @@ the shape the layer used. tests/patches/test_checkpointing_path.py registers it 
 interpreter."""
 
 from shim import Patch
-from shim.checkpointing import Step, hand_over, probe, targets
+from shim.checkpointing import Step, check, hand_over, targets
 
 NAME = "late-step"
 SEEN: list = []  # per act: whether the function already had the layer as func.func.__self__
@@ -28,6 +28,6 @@ PATCH = Patch(
     summary="A late step that hands over its own recomputation.",
     distribution="transformers",
     requires=">=4.57",
-    targets=targets(STEP, probe=probe),
+    targets=targets(STEP, check=check),
     after=("reentrant-frozen-input-grads",),
 )

@@ -8,11 +8,15 @@ dtype, default device, deterministic or anomaly mode the script set first. peft'
 fixes are their releases' (peft 0.21 here; tests/e2e for DeepSpeed)."""
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
 import shim
 from shim import gating
+from shim.selfcheck import bare
 from tests.conftest import run_python
 from tests.devbuild import DEV_VERSIONS, FIXES, PARTIAL
 from tests.probes import bug_found
@@ -37,6 +41,27 @@ def test_the_probe_finds_the_bug_where_the_gate_admits_the_release_and_none_with
                    for t in shim.registry.patch(name).targets)  # fmt: skip
     assert upstream is (admitted(name) and relevant), "the probe and the gate disagree on the installed releases"
     assert with_the_patch is False
+
+
+@pytest.mark.parametrize("name", list(shim.registry.names))
+def test_a_probe_waits_for_what_its_bare_builders_take_and_declares_none_of_it(name):
+    """Each ``shim.selfcheck.bare`` builder a patch module calls says what it takes (``needs``), and
+    its probes wait for that without declaring it (read from the module's source here, apart from
+    how ``BugProbe`` reads it)."""
+    waited = {module for probe in shim.registry.patch(name).probes for module in probe.needs}
+    source = Path(sys.modules[shim.registry.declared(name).module].__file__).read_text()
+    taken = {
+        module
+        for builder in re.findall(r"\bbare\.(\w+)\(", source)
+        for module in getattr(getattr(bare, builder), "needs", ())
+    }
+    assert taken <= waited
+    declared = {
+        getattr(bare, constant)
+        for needs in re.findall(r"needs=\(([^)]*)\)", source)
+        for constant in re.findall(r"bare\.([A-Z_]+)", needs)
+    }
+    assert not declared & taken, "a module a builder takes is not declared again"
 
 
 STATUS_ON_A_DEV_BUILD = """

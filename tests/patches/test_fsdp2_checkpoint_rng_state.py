@@ -203,13 +203,13 @@ def test_the_bug_probe_finds_the_bug_with_the_patch_off_only():
     assert bug_found(NAME) is False
 
 
-def test_the_probe_reads_upstreams_function():
+def test_the_shape_check_reads_upstreams_function():
     from accelerate.utils import fsdp_utils
 
-    from shim.patches.fsdp2_checkpoint_rng_state import _probe
+    from shim.patches.fsdp2_checkpoint_rng_state import _check
 
     original = fsdp_utils.fsdp2_apply_ac.__wrapped__
-    assert _probe(original) is None
+    assert _check(original) is None
 
     def changed(accelerator, model):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -219,6 +219,6 @@ def test_the_probe_reads_upstreams_function():
     def elsewhere(accelerator, model):
         return model
 
-    assert "preserve_rng_state" in _probe(changed)
-    assert "checkpoint_wrapper" in _probe(elsewhere)
-    assert "signature changed" in _probe(lambda model: model)
+    assert "preserve_rng_state" in _check(changed)
+    assert "checkpoint_wrapper" in _check(elsewhere)
+    assert "signature changed" in _check(lambda model: model)

@@ -245,17 +245,17 @@ def test_the_bug_probe_finds_the_bug_with_the_patch_off_only():
     assert bug_found(NAME) is False
 
 
-def test_the_probe_reads_peft_s_signature():
+def test_the_shape_check_reads_peft_s_signature():
     import peft.utils.other
 
-    from shim.patches.kbit_prepare_keeps_checkpointing import _probe
+    from shim.patches.kbit_prepare_keeps_checkpointing import _check
 
-    assert _probe(peft.utils.other.prepare_model_for_kbit_training.__wrapped__) is None
+    assert _check(peft.utils.other.prepare_model_for_kbit_training.__wrapped__) is None
 
     def changed(model, gradient_checkpointing_kwargs=None, use_gradient_checkpointing=True):
         return model
 
-    assert "signature changed" in _probe(changed)
+    assert "signature changed" in _check(changed)
 
 
 # -- trl's own copy (trl.experimental.utils, called by its prepare_peft_model for QLoRA) --------------

@@ -407,16 +407,16 @@ def test_trl_dpo_trainer_reference_adapter_trains_default_only(saved, tmp_path):
     assert state() == ("applied" if BUGGY else "skipped")
 
 
-# -- shape probes, bug probe, the gate ---------------------------------------------------------
+# -- shape checks, bug probe, the gate ---------------------------------------------------------
 
 
 @needs_bug
-def test_probes_accept_the_installed_peft_and_name_a_changed_signature():
+def test_shape_checks_accept_the_installed_peft_and_name_a_changed_signature():
     from peft.peft_model import PeftModel as Model
     from peft.tuners.tuners_utils import BaseTuner
 
-    assert patch_module._probe_inject_adapter(BaseTuner.inject_adapter) is None
-    assert patch_module._probe_load_adapter(Model.load_adapter) is None
+    assert patch_module._check_inject_adapter(BaseTuner.inject_adapter) is None
+    assert patch_module._check_load_adapter(Model.load_adapter) is None
 
     def inject_adapter(self, adapter_name, model):
         pass
@@ -424,8 +424,8 @@ def test_probes_accept_the_installed_peft_and_name_a_changed_signature():
     def load_adapter(self, model_id, is_trainable=False, adapter_name="default"):
         pass
 
-    assert "signature changed" in patch_module._probe_inject_adapter(inject_adapter)
-    assert "signature changed" in patch_module._probe_load_adapter(load_adapter)
+    assert "signature changed" in patch_module._check_inject_adapter(inject_adapter)
+    assert "signature changed" in patch_module._check_load_adapter(load_adapter)
 
 
 @needs_bug

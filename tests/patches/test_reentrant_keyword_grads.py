@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shim
 from shim import runtime
-from shim.checkpointing import LayerCheckpoint, is_reentrant, probe, wants_grad
+from shim.checkpointing import LayerCheckpoint, check, is_reentrant, wants_grad
 from shim.patches._checkpointing_state import same_function
 from shim.tools.targets import quiet_transformers
 from tests.conftest import run_python
@@ -78,7 +78,7 @@ def input_ids(model, batch=2, length=8):
 
 def test_patch_is_applied():
     assert shim.registry.is_on(NAME)
-    assert probe(transformers.modeling_layers.GradientCheckpointingLayer) is None
+    assert check(transformers.modeling_layers.GradientCheckpointingLayer) is None
 
 
 # -- the measured case -------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_dropout_gradients_match_with_preserved_rng_state(device):
     assert wrong_grads(reference, keyword_driven_grads(model, ids, seed=3), **tolerance)
 
 
-# -- rules, probe, removal -----------------------------------------------------------------------
+# -- rules, shape check, removal -----------------------------------------------------------------------
 
 
 def test_reentrant_rule():
@@ -477,7 +477,7 @@ def test_reentrant_rule():
     assert is_reentrant(_closure)
 
 
-def test_probe_detects_a_changed_call_shape(monkeypatch):
+def test_the_shape_check_detects_a_changed_call_shape(monkeypatch):
     class Changed(torch.nn.Module):
         gradient_checkpointing = False
 
@@ -486,7 +486,7 @@ def test_probe_detects_a_changed_call_shape(monkeypatch):
                 return self._gradient_checkpointing_func(lambda *a: super(Changed, self).__call__(*a, **kwargs), *args)
             return super().__call__(*args, **kwargs)
 
-    assert "functools.partial" in probe(Changed)
+    assert "functools.partial" in check(Changed)
 
 
 def test_no_class_level_layer_and_deactivate_restores_the_layers_class():

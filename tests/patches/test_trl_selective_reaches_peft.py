@@ -206,16 +206,16 @@ def test_trainer_module_calls_the_wrapper():
     assert sft_trainer.enable_selective_activation_checkpointing is trl.models.enable_selective_activation_checkpointing
 
 
-def test_probe_accepts_the_installed_trl_and_names_a_changed_signature():
+def test_the_shape_check_accepts_the_installed_trl_and_names_a_changed_signature():
     from trl.models import selective_activation_checkpointing as sac
 
     original = sac.enable_selective_activation_checkpointing.__wrapped__
-    assert patch_module._probe(original) is None
+    assert patch_module._check(original) is None
 
     def enable_selective_activation_checkpointing(module, policy=None):
         pass
 
-    assert "signature changed" in patch_module._probe(enable_selective_activation_checkpointing)
+    assert "signature changed" in patch_module._check(enable_selective_activation_checkpointing)
 
 
 def test_the_bug_probe_finds_the_bug_off_and_not_on():

@@ -104,7 +104,7 @@ ROOMS = {
     # the one order of the parts on a target (Patch.after, Patch.place) and what it must refuse, one
     # function for the index, the packs at import shim and register()
     "shim.order": set(),
-    "shim.ranges": set(),  # how a version range and a run of numbers are written
+    "shim.ranges": set(),  # how a version range, a run of numbers and a list of names are written
     "shim.patch": {"shim.settings", "shim.order"},  # a patch's declaration
     # switches and the effects ledger, and where a worker's counts go (the exit report's keys, which
     # the front door sets and the tools read: no tool reaches into the front door for them)
@@ -122,17 +122,17 @@ ROOMS = {
     # every patch's record, read before its module is imported, and the one step that imports it
     "shim.catalogue": {"shim.patch", "shim.settings", "shim.order", "shim.importhooks"},
     "shim.others": {"shim.wrapping", "shim.layers", "shim.patch", "shim.catalogue"},  # other patchers, named when asked
-    "shim.probing": {"shim.runtime", "shim.patch"},  # asking a bug probe without a trace
     "shim.gating": {
         "shim.wrapping",
         "shim.assigning",
         "shim.layers",
         "shim.patch",
-        "shim.probing",
         "shim.ranges",
-        "shim.settings",
         "shim.catalogue",
-    },  # whether a patch applies
+    },  # whether a patch applies: versions, gates, target requirements, shape checks
+    # the bug probes' life: when one is asked, waiting for what it needs, asking it without a trace,
+    # and what its answer does to the gate and the targets (the entry asks it)
+    "shim.probing": {"shim.gating", "shim.layers", "shim.patch", "shim.ranges", "shim.runtime", "shim.settings"},
     "shim.entry": {
         "shim.gating",
         "shim.probing",
@@ -142,9 +142,10 @@ ROOMS = {
         "shim.patch",
         "shim.settings",
         "shim.order",
+        "shim.ranges",
         "shim.catalogue",
-    },
-    "shim.records": {
+    },  # one patch's life
+    "shim.statuses": {
         "shim.entry",
         "shim.gating",
         "shim.others",
@@ -152,7 +153,7 @@ ROOMS = {
         "shim.patch",
         "shim.ranges",
         "shim.catalogue",
-    },  # fmt: skip
+    },  # fmt: skip  # a patch's status, read from its entry
     # the first-step audit's findings and their wording: kept, warned, the exit line, what in_effect says
     "shim.findings": {"shim.settings", "shim.ranges"},
     # the first-step audit's watch: at a model's first optimizer step, what ran and what got a gradient
@@ -160,7 +161,7 @@ ROOMS = {
     "shim.packs": {"shim.catalogue", "shim.settings", "shim.order", "shim.registry"},  # other distributions' records
     "shim.registry": {
         "shim.entry",
-        "shim.records",
+        "shim.statuses",
         "shim.others",
         "shim.importhooks",
         "shim.order",
@@ -204,9 +205,29 @@ def test_every_room_imports_only_the_rooms_below_it():
     graph = engine_graph()
     rooms = set(graph) - FRONT - {"shim.tools", "shim.selfcheck"}
     assert rooms == set(ROOMS), "a room is missing from ROOMS, or ROOMS names one that is gone"
-    assert graph["shim.registry"] >= {"shim.entry", "shim.records"}, "the graph must see the imports"
+    assert graph["shim.registry"] >= {"shim.entry", "shim.statuses"}, "the graph must see the imports"
     upward = {room: sorted(graph[room] - allowed) for room, allowed in ROOMS.items() if graph[room] - allowed}
     assert upward == {}
+
+
+def test_the_bug_probes_life_is_one_room_that_only_the_entry_asks():
+    """When a bug probe is asked, waiting for what it needs, asking it and what its answer decides
+    live in ``shim.probing``; of the engine's rooms only a patch's entry reaches it (a status reads
+    the entry)."""
+    graph = engine_graph()
+    assert sorted(room for room, imported in graph.items() if "shim.probing" in imported) == ["shim.entry"]
+
+    def defined(room: str) -> set[str]:
+        tree = ast.parse((ENGINE / f"{room}.py").read_text())
+        return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+    life = {"why_asked", "Probes", "Answer", "ask", "_traceless", "_importable"}
+    assert life <= defined("probing")
+    assert {room: defined(room) & life for room in ("entry", "gating", "statuses")} == {
+        "entry": set(),
+        "gating": set(),
+        "statuses": set(),
+    }
 
 
 def test_the_rooms_drawing_is_the_import_graph():
@@ -229,7 +250,7 @@ def test_the_rooms_drawing_is_the_import_graph():
 
 def test_the_engine_has_no_import_circle():
     graph = engine_graph()
-    assert graph["shim.registry"] >= {"shim.entry", "shim.records"}, "the graph must see the imports"
+    assert graph["shim.registry"] >= {"shim.entry", "shim.statuses"}, "the graph must see the imports"
 
     def visit(module, path):
         assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import shim
-from shim import records
+from shim import statuses
 from shim.tools import bugdocs
 from tests.conftest import ROOT
 
@@ -73,7 +73,7 @@ def test_status_references_are_addresses_and_the_explain_command():
     for record in (record for record in shim.status() if record.name in NAMES):  # the built-in patches
         assert record.references[0] == f"python -m shim explain {record.name}"
         assert all(re.match(r"^https://github\.com/[\w.-]+/[\w.-]+/issues/\d+$", r) for r in record.references[1:])
-    assert records.links(["huggingface/trl#6827", "docs/bugs.md#x"]) == (
+    assert statuses.links(["huggingface/trl#6827", "docs/bugs.md#x"]) == (
         "https://github.com/huggingface/trl/issues/6827",
         "python -m shim explain x",
     )

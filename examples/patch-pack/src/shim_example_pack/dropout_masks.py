@@ -24,8 +24,9 @@ This docstring is what ``python -m shim explain example-checkpoint-keeps-dropout
 
 import functools
 
-from shim import Evidence, Patch, record_effect
-from shim.checkpointing import Step, probe, targets
+from shim import BugProbe, Evidence, Patch, record_effect
+from shim.checkpointing import Step, check, targets
+from shim.selfcheck import bare
 
 NAME = "example-checkpoint-keeps-dropout-masks"
 
@@ -59,11 +60,10 @@ def _bug_probe() -> Evidence:
     """The bug probe (``python -m shim doctor`` asks it with the patch off, then on; the shim asks it on
     a transformers build it was not measured on): one layer that drops out, checkpointing with
     ``preserve_rng_state=False``. The bug is there when its gradient differs from the same layer's
-    without checkpointing. It builds a bare layer from what is imported (``shim.selfcheck.bare``):
+    without checkpointing. It builds a bare layer from what is imported (``shim.selfcheck.bare``, named
+    at the top of the module: ``BugProbe`` reads the modules its builders need from the probe's code):
     no model, no config, nothing imported or written."""
     import torch
-
-    from shim.selfcheck import bare
 
     class DroppingLayer(bare.layer_class()):
         def __init__(self) -> None:
@@ -103,7 +103,7 @@ PATCH = Patch(
     requires=">=4.57,<6",
     # The path's two targets (the layer's checkpoint-function slot and its __setstate__): the step is
     # ordered with the built-ins' steps by the one order; registered after them, it sits outside.
-    targets=targets(STEP, probe=probe),
-    bug_probe=_bug_probe,
+    targets=targets(STEP, check=check),
+    bug_probe=BugProbe(_bug_probe),
     references=("allenai/OLMo-core#828",),
 )

@@ -21,7 +21,7 @@ patch's summary: a pack's patch is explained from its own text.
 import os
 import re
 
-from shim import Evidence, Patch, Target, record_effect
+from shim import BugProbe, Evidence, Patch, Target, record_effect
 
 NAME = "example-resume-complete-checkpoint"
 #: What the Trainer writes last into a checkpoint folder (``transformers.trainer.TRAINER_STATE_NAME``).
@@ -77,5 +77,5 @@ PATCH = Patch(
     requires=">=4.57,<6",
     targets=(Target("transformers.trainer_utils:get_last_checkpoint", _newest_complete),),
     consumers=("transformers.trainer",),  # `from .trainer_utils import get_last_checkpoint` there
-    bug_probe=_bug_probe,
+    bug_probe=BugProbe(_bug_probe),
 )

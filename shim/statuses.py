@@ -1,5 +1,5 @@
-"""The status record of a patch (``shim.status()``): what the registry did with it and what it did
-since. The tables made of them are the tools' (``shim.tools.report``).
+"""The status of a patch (``shim.status()``): what the registry did with it and what it did since.
+The tables made of them are the tools' (``shim.tools.render``).
 
 Imported only when a status is asked for, never by ``import shim`` itself.
 """
@@ -19,6 +19,7 @@ from .ranges import version_range
 if TYPE_CHECKING:
     from .catalogue import Listing
     from .entry import Entry
+    from .others import Other
     from .patch import Patch
 
 _PUBLIC = re.compile(r"^([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)#(\d+)$")
@@ -72,48 +73,65 @@ class PatchStatus:
 def status_of(entry: Entry) -> PatchStatus:
     """What ``shim.status()`` says of one patch (refreshed by the registry just before): its
     entry's state and reason, the declaration, other patchers on its targets, and its effects."""
-    declared = entry.declared
-    reason = entry.reason
     patch, missing = _declaration(entry)
-    if missing:
-        reason = f"{reason}; {missing}"
-    # Its gate: the Patch's; where there is none, the catalogue's listing of a built-in (a module
-    # that failed), and nothing for a pack's patch whose module is not imported.
-    gated: Patch | Listing | None = patch
-    if gated is None and not declared.foreign:
-        gated = declared
-    distribution = gated.distribution if gated is not None else ""
-    installed = entry.installed_version or (gating.installed_version(distribution) if distribution else None)
-    found = []
+    gated = _gated(entry, patch)
+    distribution = (gated.distribution or "") if gated is not None else ""
+    found, blocking = _others(entry)
+    return PatchStatus(
+        name=entry.name,
+        state=entry.state,
+        reason=_reason(entry, missing, blocking, distribution, patch),
+        targets=tuple(t.spec for t in patch.targets) if patch else (),
+        requires=f"{distribution}{version_range(gated.requires)}" if gated is not None else "",
+        installed=entry.installed_version or _installed(distribution),
+        summary=patch.summary if patch else "",
+        references=links(patch.references) if patch else (),
+        effects=runtime.count(entry.name),
+        last_effect=runtime.last(entry.name),
+        others=tuple(other._asdict() | {"text": other.text()} for other in found),
+        suspended=entry.suspended > 0,
+        provider=entry.declared.provider,
+        decided_by=decided_by(entry),
+        probe=tuple(answer.as_dict() for answer in entry.probes.answers.values()) or None,
+    )
+
+
+def _gated(entry: Entry, patch: Patch | None) -> Patch | Listing | None:
+    """What its gate is read from: the Patch's; where there is none, the catalogue's listing of a
+    built-in (a module that failed), and nothing for a pack's patch whose module is not imported."""
+    if patch is None and not entry.declared.foreign:
+        return entry.declared
+    return patch
+
+
+def _installed(distribution: str) -> str | None:
+    return gating.installed_version(distribution) if distribution else None
+
+
+def _others(entry: Entry) -> tuple[list[Other], list[Other]]:
+    """Other patchers on the patch's targets, and those of them that keep it from applying (a shape
+    check that refused what it found there: the reason names them, and they are said once)."""
     if entry.layers:
         from . import others
 
-        found = others.of_entry(entry)
-    elif refused_by_a_probe(entry):
+        return others.of_entry(entry), []
+    if refused_by_a_check(entry):
         from . import others
 
-        found = others.blocking(entry.load(), [m for m in declared.modules if m in sys.modules])
-        others.say(declared.name, found)
-        reason = "; ".join([reason, *(f"{o.target} holds {o.by}, another patcher's" for o in found)])
+        found = others.blocking(entry.load(), [m for m in entry.declared.modules if m in sys.modules])
+        others.say(entry.name, found)
+        return found, found
+    return [], []
+
+
+def _reason(entry: Entry, missing: str, blocking: list[Other], distribution: str, patch: Patch | None) -> str:
+    """The entry's reason, and what the status adds to it: why its declaration is not shown, the
+    other patchers that keep it from applying, a release newer than any measured."""
+    reason = f"{entry.reason}; {missing}" if missing else entry.reason
+    added = [f"{other.target} holds {other.by}, another patcher's" for other in blocking]
     if distribution:
-        reason = "; ".join([reason, *newer_than_measured(distribution, patch)])
-    return PatchStatus(
-        name=declared.name,
-        state=entry.state,
-        reason=reason,
-        targets=tuple(t.spec for t in patch.targets) if patch else (),
-        requires=f"{distribution}{version_range(gated.requires)}" if gated is not None else "",
-        installed=installed,
-        summary=patch.summary if patch else "",
-        references=links(patch.references) if patch else (),
-        effects=runtime.count(declared.name),
-        last_effect=runtime.last(declared.name),
-        others=tuple(other._asdict() | {"text": other.text()} for other in found),
-        suspended=entry.suspended > 0,
-        provider=declared.provider,
-        decided_by=decided_by(entry),
-        probe=tuple(answer.as_dict() for answer in entry.answers.values()) or None,
-    )
+        added += newer_than_measured(distribution, patch)
+    return "; ".join([reason, *added])
 
 
 def decided_by(entry: Entry) -> str:
@@ -123,7 +141,7 @@ def decided_by(entry: Entry) -> str:
     neither has (a pending patch, one switched off before)."""
     if entry.gate is not None and entry.gate.skip is not None:
         return "release"
-    if entry.stepped_aside or any(answer.present for answer in entry.answers.values()):
+    if entry.probes.decided:
         return "probe"
     if entry.gate is not None or entry.state is State.SKIPPED:
         return "release"
@@ -143,9 +161,9 @@ def _declaration(entry: Entry) -> tuple[Patch | None, str]:
     return patch, declared.note  # a pack's: an after= dropped at import shim
 
 
-def refused_by_a_probe(entry: Entry) -> bool:
+def refused_by_a_check(entry: Entry) -> bool:
     """Skipped or failed for good inside its gate, with nothing wrapped: a target missing, or a
-    shape probe that refused what it found there (another patcher's object, perhaps); not a patch
+    shape check that refused what it found there (another patcher's object, perhaps); not a patch
     that stepped aside because its bug probe found upstream's fix."""
     gate = entry.gate
     return (
@@ -153,7 +171,7 @@ def refused_by_a_probe(entry: Entry) -> bool:
         and entry.state in (State.SKIPPED, State.FAILED)
         and gate is not None
         and gate.skip is None
-        and not entry.stepped_aside
+        and not entry.probes.stepped_aside
     )
 
 
