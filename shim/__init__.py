@@ -51,7 +51,7 @@ from .registry import Registry
 from .runtime import record as record_effect
 from .settings import PatchError, ShimWarning
 
-__version__ = "0.1.0"
+__version__ = "0.7.0"
 __all__ = [
     "APPLIED",
     "BugProbe",

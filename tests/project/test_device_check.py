@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import shim
+
 from tests import devices
 from tests.conftest import ROOT, clean_environment
 
@@ -36,7 +38,7 @@ def test_the_smoke_run_installs_tests_measures_and_reports(tmp_path):
     for step in ("install", "tests", "memory"):
         assert re.search(rf"^\| {step} \| 0 \| \d+ s \|$", report, re.M), step
     assert re.search(r"^2 passed", report, re.M), "the subset: the two tests on the device fixture in one file"
-    assert "hf-train-shim 0.1.0" in report and re.search(r"^torch \S+, CUDA ", report, re.M)
+    assert f"hf-train-shim {shim.__version__}" in report and re.search(r"^torch \S+, CUDA ", report, re.M)
     assert "keyword reentrant" in report and "verdict: quick: not judged" in report
     assert {path.name for path in (tmp_path / "report").iterdir()} == {
         "report.md",
