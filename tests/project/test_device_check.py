@@ -10,7 +10,6 @@ import sys
 import pytest
 
 import shim
-
 from tests import devices
 from tests.conftest import ROOT, clean_environment
 
