@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import weakref
 
 MISSING = object()
+# What capture() and restore() read of each module, in C (map), not in a Python loop: they run at
+# every disable and enable (trl's generation cycle), where a loop's bytecodes cost more than here.
+_flag = operator.attrgetter("gradient_checkpointing")
+_function = operator.methodcaller("get", "_gradient_checkpointing_func", MISSING)  # of a module's __dict__
 
 
 def layer_state(model) -> dict:
@@ -47,18 +52,21 @@ class _Layout:
     replaced or removed, or one added on that way (a layer appended to the list, a tower attached
     to the model), is noticed without walking the model again."""
 
-    __slots__ = ("modules", "places", "ways")
+    __slots__ = ("modules", "placed", "holders", "keys", "ways", "sizes")
 
     def __init__(self) -> None:
-        self.modules: list = []
-        self.places: list = []  # (holder dict, key), or None for the model itself
-        self.ways: list = []  # (a _modules dict on the way to a checkpointing module, its size)
+        self.modules: list = []  # every checkpointing module, the model itself included
+        self.placed: list = []  # those held by a _modules dict: each in the holder of the same index
+        self.holders: list = []
+        self.keys: list = []
+        self.ways: list = []  # every _modules dict on the way to a checkpointing module
+        self.sizes: list = []  # and its size
 
     def current(self) -> bool:
-        for module, place in zip(self.modules, self.places):
-            if place is not None and place[0].get(place[1]) is not module:
-                return False
-        return all(len(holder) == size for holder, size in self.ways)
+        try:
+            return list(map(dict.get, self.holders, self.keys)) == self.placed and list(map(len, self.ways)) == self.sizes
+        except TypeError:  # a _modules that is no dict: walked again each time
+            return False
 
 
 class ModelState:
@@ -73,7 +81,7 @@ class ModelState:
     __slots__ = ("layout", "captured")
     KEY = "_shim_checkpointing_state"
 
-    def __init__(self, captured: list | None = None) -> None:
+    def __init__(self, captured: tuple | None = None) -> None:
         self.layout: _Layout | None = None
         self.captured = captured  # capture() at the last disable, until the next enable
 
@@ -113,13 +121,17 @@ def _scan(model) -> _Layout:
             declares = _class_declares_flag(type(module))
         if declares or "gradient_checkpointing" in state:
             layout.modules.append(module)
-            layout.places.append(place)
-            ways.update((id(holder), (holder, len(holder))) for holder in way)
+            if place is not None:
+                layout.placed.append(module)
+                layout.holders.append(place[0])
+                layout.keys.append(place[1])
+            ways.update((id(holder), holder) for holder in way)
         children = state.get("_modules")
         if children:
             inner = (*way, children)
             stack.extend((child, (children, key), inner) for key, child in children.items())
     layout.ways = list(ways.values())
+    layout.sizes = list(map(len, layout.ways))
     return layout
 
 
@@ -137,12 +149,15 @@ def checkpointing_modules(model) -> list:
     return layout.modules
 
 
-def capture(model) -> list:
-    """``[(module, flag, checkpoint function)]`` for every module of ``model`` that can checkpoint."""
-    return [
-        (module, module.gradient_checkpointing, module.__dict__.get("_gradient_checkpointing_func", MISSING))
-        for module in checkpointing_modules(model)
-    ]
+def capture(model) -> tuple | None:
+    """``(modules, their flags, their checkpoint functions)`` for the modules of ``model`` that can
+    checkpoint, or ``None`` where none of them checkpoints now (a model never enabled, or disabled
+    already: nothing to put back)."""
+    modules = checkpointing_modules(model)
+    flags = list(map(_flag, modules))
+    if not any(flags):
+        return None
+    return modules, flags, list(map(_function, map(vars, modules)))
 
 
 def same_function(first, second) -> bool:
@@ -157,15 +172,16 @@ def same_function(first, second) -> bool:
     return False
 
 
-def restore(captured: list) -> tuple[int, object]:
+def restore(captured: tuple) -> tuple[int, object]:
     """Put a :func:`capture` back where it differs from what the modules hold now.
 
     Returns how many modules it changed and the first checkpoint function it replaced
     (``MISSING`` if none), which tells what upstream had configured instead.
     """
+    modules, flags, functions = captured
     changed, replaced = 0, MISSING
     compared = (MISSING, MISSING, True)  # the last pair compared: an enable gives every module one function
-    for module, flag, function in captured:
+    for module, flag, function in zip(modules, flags, functions):
         differs = module.gradient_checkpointing != flag
         if function is not MISSING:
             current = module.__dict__.get("_gradient_checkpointing_func", MISSING)
@@ -181,21 +197,14 @@ def restore(captured: list) -> tuple[int, object]:
     return changed, replaced
 
 
-def configured_kwargs(functions) -> dict | None:
-    """The kwargs of the checkpoint partial that the checkpointing layers share, or ``None``.
-
-    ``functions`` are ``(flag, function)`` pairs: the values of :func:`layer_state`, or a
-    :func:`capture` read as ``(flag, function) for _module, flag, function in captured``.
-    """
-    for flag, function in functions:
+def captured_kwargs(captured: tuple) -> dict | None:
+    """The kwargs of the checkpoint partial that the checkpointing modules of a :func:`capture` share
+    (the first whose flag is set), or ``None``."""
+    _modules, flags, functions = captured
+    for flag, function in zip(flags, functions):
         if flag and isinstance(function, functools.partial):
             return dict(function.keywords)
     return None
-
-
-def captured_kwargs(captured: list) -> dict | None:
-    """:func:`configured_kwargs` of a :func:`capture`."""
-    return configured_kwargs((flag, function) for _module, flag, function in captured)
 
 
 def describe(kwargs) -> str:

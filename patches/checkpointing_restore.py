@@ -50,7 +50,7 @@ def _passes_layout(args: tuple, kwargs: dict) -> bool:
 def _set_gradient_checkpointing(wrapped, instance, args, kwargs):
     if instance is not None and not argument(args, kwargs, 0, "enable", True):
         captured = capture(instance)
-        if any(flag for _module, flag, _function in captured):
+        if captured is not None:
             ModelState.of(instance).captured = captured
     return wrapped(*args, **kwargs)
 
@@ -104,7 +104,7 @@ def _in_effect(model) -> list[str]:
     if not captured:
         return []
     return [
-        f"holds the configuration of the last disable ({describe(captured_kwargs(captured))}, {len(captured)} "
+        f"holds the configuration of the last disable ({describe(captured_kwargs(captured))}, {len(captured[0])} "
         "module(s)): an enable without one puts it back"
     ]
 

@@ -108,18 +108,25 @@ def _enable_input_require_grads(wrapped, instance, args, kwargs):
     handles = instance.__dict__.get("_require_grads_hooks") if instance is not None else None
     if not handles:
         return result
-    hooked = [(handle, handle.hooks_dict_ref()) for handle in handles]
     known = _own_embeddings.get(instance)
     own = known() if known is not None else None
-    if own is None or any(hooks is not own._forward_hooks for _handle, hooks in hooked):
-        own = _input_embeddings(instance)
-        if own is not None:
-            try:
-                _own_embeddings[instance] = weakref.ref(own)
-            except TypeError:  # a model or module without weak references: asked again next time
-                pass
     own_hooks = getattr(own, "_forward_hooks", None)
-    if all(hooks is own_hooks for _handle, hooks in hooked):  # a text-only model: nothing to walk
+    hooked = []
+    elsewhere = own is None  # a hook not on the model's own embeddings as last found
+    for handle in handles:  # a loop, not comprehensions: it runs at every enable (trl's generation cycle)
+        hooks = handle.hooks_dict_ref()
+        hooked.append((handle, hooks))
+        elsewhere = elsewhere or hooks is not own_hooks
+    if not elsewhere:  # a text-only model: nothing to walk
+        return result
+    own = _input_embeddings(instance)
+    if own is not None:
+        try:
+            _own_embeddings[instance] = weakref.ref(own)
+        except TypeError:  # a model or module without weak references: asked again next time
+            pass
+    own_hooks = getattr(own, "_forward_hooks", None)
+    if all(hooks is own_hooks for _handle, hooks in hooked):
         return result
     owners = _sub_models_by_hooks(instance)
     switch = switch_of(NAME)

@@ -27,14 +27,14 @@ NAME = "input-grad-hook-dedupe"
 def _enable_input_require_grads(wrapped, instance, args, kwargs):
     if instance is not None:
         state = instance.__dict__  # where upstream keeps them (a missing attribute costs torch's __getattr__)
-        held = list(state.get("_require_grads_hooks") or ())
+        held = state.get("_require_grads_hooks") or ()
         single = state.get("_require_grads_hook")
-        if single is not None:
-            held.append(single)
+        if single is not None and single not in held:  # the single one is the list's first, too
+            held = (*held, single)
         if held:
-            held = list(dict.fromkeys(held))  # the single one is the list's first, too
-            live = sum(1 for handle in held if _is_live(handle))
-            for handle in held:
+            live = 0
+            for handle in held:  # one pass: it runs at every enable (trl's generation cycle)
+                live += _is_live(handle)
                 handle.remove()  # RemovableHandle.remove() is idempotent
             if live:
                 record_effect(

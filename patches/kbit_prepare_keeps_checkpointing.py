@@ -42,7 +42,7 @@ def _prepare_model_for_kbit_training(wrapped, instance, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     captured = capture(model)
-    if not any(flag for _module, flag, _function in captured):  # a fresh model: peft's own configuration
+    if captured is None:  # a fresh model: peft's own configuration
         return wrapped(*args, **kwargs)
     result = wrapped(*args, **kwargs)
     changed, replaced = restore(captured)

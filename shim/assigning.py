@@ -15,12 +15,18 @@ model one function), the parts run for the first and the next ones get what it g
 remembers, weakly, the last value, the class of its instance and what the parts made of them, while
 the same parts are active. It is the one memory of what the parts decide (the checkpointing path's
 parts keep none of their own). A value the layer cannot refer to weakly goes through the parts each
-time.
+time. What the parts made of a module's own function (one its module holds by its name, so it
+lives as long as the module) is kept as well, strongly: every checkpointing disable gives the
+layers torch's ``checkpoint`` again between two enables' new partials, and runs no part after the
+first. What the parts make is shared by the instances given the same value, so it holds nothing of
+one instance.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import wrapt
@@ -42,13 +48,15 @@ class AssignmentLayer:
     is stored (raising ``AttributeError``, handed on to the class's ``__getattr__``, as when the
     attribute was never set), and never runs a part."""
 
-    __slots__ = ("__wrapped__", "_self_shim_parts", "attribute", "owner", "last")
+    __slots__ = ("__wrapped__", "_self_shim_parts", "attribute", "owner", "last", "kept")
 
     def __init__(self, prior: Any, owner: type, attribute: str, parts: Parts) -> None:
         self.__wrapped__ = prior
         self.owner, self.attribute, self._self_shim_parts = owner, attribute, parts
         # (the active parts, the last value, its instance's class, what the parts made of it): weakly
         self.last: tuple[Any, ...] | None = None
+        # the same for the last module's own function given: the function and what was made strongly
+        self.kept: tuple[Any, ...] | None = None
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -68,10 +76,12 @@ class AssignmentLayer:
     def __set__(self, instance: Any, value: Any) -> None:
         active = self._self_shim_parts.active
         if active:
-            last = self.last
+            last, kept = self.last, self.kept
             made = None
             if last is not None and last[0] is active and last[1]() is value and last[2]() is type(instance):
                 made = last[3]()  # the usual case: the next layer given the function the first was given
+            elif kept is not None and kept[0] is active and kept[1] is value and kept[2]() is type(instance):
+                made = kept[3]  # a disable: torch's checkpoint again
             value = self._passed(instance, value, active) if made is None else made
         prior = self.__wrapped__
         if prior is not MISSING and hasattr(type(prior), "__set__"):
@@ -88,6 +98,8 @@ class AssignmentLayer:
             self.last = (active, weakref.ref(given), weakref.ref(type(instance)), weakref.ref(value))
         except TypeError:  # a value without weak references: the parts see it each time
             self.last = None
+        if type(given) is FunctionType and _is_module_function(given):
+            self.kept = (active, given, weakref.ref(type(instance)), value)
         return value
 
     def __delete__(self, instance: Any) -> None:
@@ -112,6 +124,13 @@ class AssignmentLayer:
     def __repr__(self) -> str:
         names = ", ".join(self._self_shim_parts.names())
         return f"<shim assign layer ({names}) on {self.owner.__qualname__}.{self.attribute}>"
+
+
+def _is_module_function(value: FunctionType) -> bool:
+    """Whether the function ``value`` is one its module holds by its name (``torch.utils.checkpoint.checkpoint``):
+    keeping it, or what was made of it, keeps nothing alive that its module does not."""
+    module = sys.modules.get(value.__module__)
+    return module is not None and getattr(module, "__dict__", {}).get(value.__name__) is value
 
 
 def resolve(module: object, path: str) -> tuple[type, Any]:
