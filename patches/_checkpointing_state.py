@@ -64,7 +64,9 @@ class _Layout:
 
     def current(self) -> bool:
         try:
-            return list(map(dict.get, self.holders, self.keys)) == self.placed and list(map(len, self.ways)) == self.sizes
+            return (
+                list(map(dict.get, self.holders, self.keys)) == self.placed and list(map(len, self.ways)) == self.sizes
+            )
         except TypeError:  # a _modules that is no dict: walked again each time
             return False
 

@@ -125,7 +125,9 @@ def _part(step: Step, name: str, switch: Switch) -> Assigned:
                     if acts is act:
                         return held
                 function, steps, names = held.given, held.steps, held.names
-            elif type(held) is functools.partial or type(held) is FunctionType or (callable(held) and not _is_mock(held)):
+            elif (
+                type(held) is functools.partial or type(held) is FunctionType or (callable(held) and not _is_mock(held))
+            ):
                 function, steps, names = held, (), ()
             else:
                 return held
