@@ -272,3 +272,36 @@ def test_one_value_given_to_many_instances_of_a_class_passes_the_parts_once(fake
         layer.slot = 7  # an int: no weak reference
     assert len(seen) == count + 3
     registry.deactivate()
+
+
+def test_a_module_function_given_again_after_another_value_passes_the_parts_once(fake_modules):
+    """trl's cycle: every disable gives the layers torch's ``checkpoint`` again between two enables'
+    new partials. A function its module holds by its name is remembered beside the last value, so the
+    parts run for it once; what they made is shared by the instances and holds none of them."""
+    pkg = fake_modules(target=TARGET + "\n\ndef checkpoint():\n    pass\n")
+    seen = []
+
+    def boxing(instance, value):
+        seen.append(value)
+        return Boxed(value)
+
+    registry = Registry([make_patch(pkg, boxing)])
+    registry.activate()
+    module = importlib.import_module(f"{pkg}.target")
+    layer = module.Layer()
+    layer.slot = module.checkpoint
+    made = layer.slot
+    for _cycle in range(3):
+        layer.slot = lambda: None  # an enable's new partial
+        layer.slot = module.checkpoint  # a disable
+    assert seen.count(module.checkpoint) == 1 and layer.slot is made
+    assert len(seen) == 4, "each enable's new function still passes the parts"
+    layers = [module.Layer() for _ in range(2)]
+    for other in layers:
+        other.slot = module.checkpoint
+    assert all(other.slot is made for other in layers) and seen.count(module.checkpoint) == 1
+    registry.disable()
+    registry.enable()
+    layer.slot = module.checkpoint
+    assert seen.count(module.checkpoint) == 2, "another set of active parts: they run again"
+    registry.deactivate()
