@@ -64,9 +64,9 @@ class _Layout:
 
     def current(self) -> bool:
         try:
-            return (
-                list(map(dict.get, self.holders, self.keys)) == self.placed and list(map(len, self.ways)) == self.sizes
-            )
+            # identity, not ==: a module class may define its own __eq__
+            held = map(dict.get, self.holders, self.keys)
+            return all(map(operator.is_, held, self.placed)) and list(map(len, self.ways)) == self.sizes
         except TypeError:  # a _modules that is no dict: walked again each time
             return False
 

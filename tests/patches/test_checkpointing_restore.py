@@ -336,7 +336,19 @@ def test_trl_value_head_style_aliases_of_bound_methods():
 # -- the layout the capture reuses between cycles ---------------------------------------------------
 
 
-@pytest.mark.parametrize("change", ["replace a layer", "append a layer", "remove a layer"])
+class _EqualToAll:
+    """A layer that compares equal to anything (a user's ``__eq__``): the layout is told by
+    identity, so replacing a layer with such a one is noticed too."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize(
+    "change", ["replace a layer", "replace a layer by an equal one", "append a layer", "remove a layer"]
+)
 def test_a_layer_replaced_added_or_removed_between_cycles_is_captured_too(change):
     """The capture walks the model once and then watches where its checkpointing modules sit;
     a change there is noticed and the next cycle still restores every layer."""
@@ -346,6 +358,10 @@ def test_a_layer_replaced_added_or_removed_between_cycles_is_captured_too(change
     layers = model.model.layers
     if change == "replace a layer":
         layers[1] = type(layers[1])(model.config, layer_idx=1)
+    elif change == "replace a layer by an equal one":
+        equal = type("EqualLayer", (_EqualToAll, type(layers[1])), {})
+        assert equal(model.config, layer_idx=1) == layers[1]
+        layers[1] = equal(model.config, layer_idx=1)
     elif change == "append a layer":
         layers.append(type(layers[1])(model.config, layer_idx=4))
     else:
