@@ -4,15 +4,16 @@
 that imports the shim, and names the job in their environment (``shim.runtime.RAY_JOB``). Ray ends its
 workers without an interpreter exit (a Ray Train worker is killed once its training function
 returned), so a worker cannot say its counts at its end as a ``multiprocessing`` worker does
-(``shim.tools.workers``): from its first effect on, a daemon thread hands them over while it runs,
-within :data:`PERIOD` seconds of each change, to the job's part of Ray's internal key-value store,
-which every node reaches (``shim.patches._ray_jobs``). The driver collects them before Ray
-disconnects it and says one line for the job (``shim.tools.report``); a worker whose counts the
-driver can no longer take (it collected already, or Ray is gone) says its own line at its exit, if
-it has one, with what the driver did not get.
+(``shim.tools.workers``): from its first effect on, a daemon thread hands them over while it runs
+(at once at that first effect, then within :data:`PERIOD` seconds of each change) to the job's part
+of Ray's internal key-value store, which every node reaches (``shim.patches._ray_jobs``). The driver
+collects them before Ray disconnects it and says one line for the job (``shim.tools.report``); a
+worker whose counts the driver can no longer take (it collected already, or Ray is gone) says its
+own line at its exit, if it has one, with what the driver did not get.
 
-What cannot be counted: the effects of a worker's last :data:`PERIOD` before Ray kills it, and those
-of a worker that outlives its driver's collection and is killed (a detached actor).
+What cannot be counted: the effects of a worker's last :data:`PERIOD` before Ray kills it, other
+than its first (a worker ending soon after it is still named in the driver's line), and those of a
+worker that outlives its driver's collection and is killed (a detached actor).
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def hand_over_while_running() -> None:
 
 
 def _run() -> None:
-    while True:
-        time.sleep(PERIOD)
+    while True:  # the first effect at once: a short-lived worker is still named in its driver's line
         hand_over()
+        time.sleep(PERIOD)
 
 
 def counted() -> dict[str, Any]:

@@ -280,11 +280,11 @@ worker.global_worker.mode = worker.WORKER_MODE
 import shim
 shim.record_effect("input-grad-hook-dedupe", "removed %d hook(s)", 1)
 shim.record_effect("input-grad-hook-dedupe", "removed %d hook(s)", 1)
-deadline = time.monotonic() + 10
-while time.monotonic() < deadline and not internal_kv._internal_kv_list("job1/", namespace="hf-train-shim"):
+deadline, handed = time.monotonic() + 10, {"effects": {}}
+while time.monotonic() < deadline and handed["effects"] != {"input-grad-hook-dedupe": 2}:
     time.sleep(0.05)
-(key,) = internal_kv._internal_kv_list("job1/", namespace="hf-train-shim")
-handed = json.loads(internal_kv._internal_kv_get(key, namespace="hf-train-shim"))
+    for key in internal_kv._internal_kv_list("job1/", namespace="hf-train-shim"):
+        handed = json.loads(internal_kv._internal_kv_get(key, namespace="hf-train-shim"))
 internal_kv._internal_kv_put("job1/claimed", "1", namespace="hf-train-shim")  # the driver collected the job
 shim.record_effect("input-grad-hook-dedupe", "removed %d hook(s)", 1)
 print(json.dumps({"handed": handed["effects"], "rank": handed["rank"]}))
@@ -297,6 +297,31 @@ print(json.dumps({"handed": handed["effects"], "rank": handed["rank"]}))
     assert line.endswith(
         ", after its driver's report): 1 fix acted: input-grad-hook-dedupe ×1 (SHIM_REPORT=1 for the table)"
     )
+
+
+def test_a_workers_first_effect_goes_over_at_once(stand_in):
+    """Ray Train kills a worker as soon as its training function returned: a short job's worker must be
+    named in its driver's line even if it ends within the handing-over period of its first effect."""
+    out, _ = run(
+        stand_in,
+        """
+import json, time
+from ray._private import worker
+from ray.experimental import internal_kv
+worker.global_worker.mode = worker.WORKER_MODE
+import shim
+from shim.tools import rayjobs
+rayjobs.PERIOD = 600  # a worker killed before its thread's first period ends
+shim.record_effect("input-grad-hook-dedupe", "removed %d hook(s)", 1)
+deadline, keys = time.monotonic() + 10, []
+while time.monotonic() < deadline and not keys:
+    time.sleep(0.05)
+    keys = internal_kv._internal_kv_list("job1/", namespace="hf-train-shim")
+print(json.dumps({"handed": [json.loads(internal_kv._internal_kv_get(key, namespace="hf-train-shim"))["effects"] for key in keys]}))
+""",
+        env={"HF_TRAIN_SHIM_RAY_JOB": "job1", "RANK": "0"},
+    )
+    assert out == {"handed": [{"input-grad-hook-dedupe": 1}]}
 
 
 def test_a_worker_without_the_shim_tells_the_driver_which_says_it_once(stand_in):
