@@ -21,13 +21,11 @@ def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any] | None, *
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
 
 
-def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
-    """One backward through a ``LlamaForCausalLM`` whose decoder layers are called with
-    ``hidden_states=`` as a keyword, as draft models and custom stacks do: every parameter's gradient."""
+def keyword_loss(model: Any, input_ids: Any) -> Any:
+    """The next-token loss of a ``LlamaForCausalLM`` whose decoder layers are called with
+    ``hidden_states=`` as a keyword, as draft models and custom stacks do."""
     import torch
 
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
     inner = model.model
     hidden = inner.embed_tokens(input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -36,8 +34,16 @@ def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
         out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=position_embeddings)
         hidden = out[0] if isinstance(out, tuple) else out
     logits = model.lm_head(inner.norm(hidden))
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
-    loss.backward()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+
+
+def keyword_driven_grads(model: Any, input_ids: Any, seed: int = 0) -> Grads:
+    """One backward of :func:`keyword_loss`: every parameter's gradient."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    keyword_loss(model, input_ids).backward()
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
 
 

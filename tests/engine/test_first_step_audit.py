@@ -45,7 +45,7 @@ import warnings
 import shim, torch
 warnings.simplefilter("ignore", FutureWarning)
 warnings.filterwarnings("ignore", "None of the inputs")
-from tests.steps import enable_checkpointing
+from tests.steps import enable_checkpointing, keyword_loss
 from tests.tinymodels import tiny_llama
 torch.manual_seed(0)
 """
@@ -77,14 +77,7 @@ class Draft(torch.nn.Module):  # a draft model's stack: its decoder layers calle
         self.llama = tiny_llama(3)
 
     def forward(self, ids):
-        inner = self.llama.model
-        hidden = inner.embed_tokens(ids)
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)
-        rotary = inner.rotary_emb(hidden, positions)
-        for layer in inner.layers:
-            out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=rotary)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return self.llama.lm_head(inner.norm(hidden)).float().logsumexp(-1).mean()
+        return keyword_loss(self.llama, ids)
 
 
 model = Draft()
@@ -111,14 +104,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def train_step(ids):
-    inner = model.model
-    hidden = inner.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    rotary = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=rotary)
-        hidden = out[0] if isinstance(out, tuple) else out
-    model.lm_head(inner.norm(hidden)).float().logsumexp(-1).mean().backward()
+    keyword_loss(model, ids).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -141,14 +127,7 @@ matrices = [p for p in inner.layers.parameters() if p.ndim == 2]
 others = [p for p in model.parameters() if not any(p is q for q in matrices)]
 optimizers = [torch.optim.SGD(matrices, lr=0.1), torch.optim.AdamW(others, lr=1e-3)]
 for _ in range(2):
-    ids = torch.randint(1, 60, (2, 8))
-    hidden = inner.embed_tokens(ids)
-    positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    rotary = inner.rotary_emb(hidden, positions)
-    for layer in inner.layers:
-        out = layer(hidden_states=hidden, position_ids=positions, position_embeddings=rotary)
-        hidden = out[0] if isinstance(out, tuple) else out
-    model.lm_head(inner.norm(hidden)).float().logsumexp(-1).mean().backward()
+    keyword_loss(model, torch.randint(1, 60, (2, 8))).backward()
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad()

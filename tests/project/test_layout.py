@@ -248,17 +248,22 @@ def test_the_rooms_drawing_is_the_import_graph():
     assert drawn == real
 
 
-def test_the_engine_has_no_import_circle():
-    graph = engine_graph()
-    assert graph["shim.registry"] >= {"shim.entry", "shim.statuses"}, "the graph must see the imports"
+def assert_no_circle(graph: dict[str, set[str]]) -> None:
+    """No module of ``graph`` (module -> the modules it imports) reaches itself again."""
 
     def visit(module, path):
         assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"
-        for imported in graph[module]:
+        for imported in graph.get(module, ()):
             visit(imported, [*path, module])
 
     for module in graph:
         visit(module, [])
+
+
+def test_the_engine_has_no_import_circle():
+    graph = engine_graph()
+    assert graph["shim.registry"] >= {"shim.entry", "shim.statuses"}, "the graph must see the imports"
+    assert_no_circle(graph)
 
 
 def test_the_wings_have_no_import_circle():
@@ -274,14 +279,7 @@ def test_the_wings_have_no_import_circle():
     assert "shim.tools.render" in wings["shim.tools.bugreport"] & wings["shim.tools.cli"], (
         "the graph must see the imports"
     )
-
-    def visit(module, path):
-        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"
-        for imported in wings.get(module, ()):
-            visit(imported, [*path, module])
-
-    for module in wings:
-        visit(module, [])
+    assert_no_circle(wings)
 
 
 def test_the_package_has_no_import_circle():
@@ -290,14 +288,7 @@ def test_the_package_has_no_import_circle():
     job's variable) from a room below both, ``shim.runtime``."""
     graph = shim_graph()
     assert "shim.tools.report" in graph["shim"], "the graph must see the front door's lazy imports"
-
-    def visit(module, path):
-        assert module not in path, f"import circle: {' -> '.join([*path[path.index(module) :], module])}"
-        for imported in graph[module]:
-            visit(imported, [*path, module])
-
-    for module in graph:
-        visit(module, [])
+    assert_no_circle(graph)
 
 
 def private_names_of_shim(path) -> list[str]:
