@@ -36,7 +36,6 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 from shim.patch import Assigned, Target  # shim.Target itself, which the front door imports lazily
@@ -107,12 +106,7 @@ def targets(
 
 def _part(step: Step, name: str, switch: Switch) -> Assigned:
     """``step``'s part on the slot, made by the engine as patch ``name``'s part joins the slot's
-    layer, with the switch that part answers to: what a layer holds when it is given ``value``.
-
-    With an ``act``: a ``LayerCheckpoint`` of the function ``value`` is (or stands for) whose steps
-    end with this one, or ``value`` itself where the step does not apply or holds it already (a
-    layer given what another layer holds). One frame per part: it runs on the first layer of every
-    enable and disable."""
+    layer, with the switch that part answers to: what a layer holds when it is given ``value``."""
     told, act, applies = step.given, step.act, step.applies
 
     def given(layer: Any, value: Any) -> Any:
@@ -120,25 +114,25 @@ def _part(step: Step, name: str, switch: Switch) -> Assigned:
             held = value if told is None else told(layer, value)
             if act is None or applies is None:
                 return held
-            if type(held) is LayerCheckpoint:
-                for _switch, acts in held.steps:
-                    if acts is act:
-                        return held
-                function, steps, names = held.given, held.steps, held.names
-            elif (
-                type(held) is functools.partial or type(held) is FunctionType or (callable(held) and not _is_mock(held))
-            ):
-                function, steps, names = held, (), ()
-            else:
-                return held
-            if not applies(function):
-                return held
-            return layer_checkpoint(function, (*steps, (switch, act)), (*names, name))
+            return _decide(name, applies, act, switch, held)
         except Exception as error:  # a step's fault never reaches the user's enable
             step_failed(name, "as a layer was given its checkpoint function", error)
             return value
 
     return given
+
+
+def _decide(name: str, applies: Callable[[Any], bool], act: Act, switch: Switch, value: Any) -> Any:
+    """``value`` with the step of patch ``name``: a ``LayerCheckpoint`` of the function it is (or
+    stands for) whose steps end with ``act``, or ``value`` itself where the step does not apply or
+    holds it already (a layer given what another layer holds)."""
+    if type(value) is LayerCheckpoint:
+        function, steps, names = value.given, value.steps, value.names
+        applies_here = all(acts is not act for _switch, acts in steps) and applies(function)
+    else:
+        function, steps, names = value, (), ()
+        applies_here = callable(value) and not _is_mock(value) and applies(function)
+    return layer_checkpoint(function, (*steps, (switch, act)), (*names, name)) if applies_here else value
 
 
 def in_effect(step: Step, what: str) -> Callable[[Any], list[str]]:
