@@ -14,8 +14,8 @@ import operator
 import weakref
 
 MISSING = object()
-# What capture() and restore() read of each module, in C (map), not in a Python loop: they run at
-# every disable and enable (trl's generation cycle), where a loop's bytecodes cost more than here.
+# What capture() and any_checkpointing() read of each module, in C (map), not in a Python loop: they
+# run at every disable and generation (trl's cycle), where a loop's bytecodes cost more than here.
 _flag = operator.attrgetter("gradient_checkpointing")
 _function = operator.methodcaller("get", "_gradient_checkpointing_func", MISSING)  # of a module's __dict__
 
@@ -109,7 +109,7 @@ def _scan(model) -> _Layout:
     transformers' own ``modules()`` and ``hasattr`` walk costs)."""
     layout = _Layout()
     seen = set()
-    ways: dict = {}  # id(a _modules dict on the way to a checkpointing module) -> (it, its size)
+    ways: dict = {}  # id(a _modules dict on the way to a checkpointing module) -> it
     stack = [(model, None, ())]  # (module, where it sits, the _modules dicts on the way to it)
     known = _class_can_checkpoint
     while stack:
@@ -229,4 +229,4 @@ def replaced_kwargs(replaced):
 def any_checkpointing(model) -> bool:
     """Whether any module of ``model`` has its checkpointing flag set: transformers'
     ``is_activation_checkpointing`` for a ``PreTrainedModel``, without its walk."""
-    return any(module.gradient_checkpointing for module in checkpointing_modules(model))
+    return any(map(_flag, checkpointing_modules(model)))
