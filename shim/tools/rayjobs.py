@@ -64,15 +64,18 @@ def _run() -> None:
         time.sleep(PERIOD)
 
 
-def counted() -> dict[str, Any]:
-    """What this worker counted, as its driver's report reads it."""
-    names = sys.modules["shim"].registry.names
-    effects = {name: runtime.count(name) for name in names if runtime.count(name)}
-    rank = os.environ.get("RANK")  # a Ray Train worker's world rank (torch's variables, set by Ray Train)
+def _effects() -> dict[str, int]:
+    """This worker's counts, of the patches that acted."""
+    counts = {name: runtime.count(name) for name in sys.modules["shim"].registry.names}
+    return {name: count for name, count in counts.items() if count}
+
+
+def counted(effects: dict[str, int]) -> dict[str, Any]:
+    """What this worker counted (``effects``, from :func:`_effects`), as its driver's report reads it."""
     return {
         "pid": os.getpid(),
         "node": _node(),
-        "rank": int(rank) if rank and rank.isdigit() else None,
+        "rank": _rank(),
         "effects": effects,
         "last": {name: runtime.last(name) for name in effects},
     }
@@ -85,9 +88,10 @@ def hand_over() -> bool:
     if name is None:
         return False
     with _lock:
-        record = counted()
-        if record["effects"] == _sent:
+        effects = _effects()
+        if effects == _sent:  # the thread's usual look: nothing new, no record built
             return True
+        record = counted(effects)
         from ..patches import _ray_jobs
 
         if not _ray_jobs.put(name, f"worker-{record['node']}-{record['pid']}", record):
@@ -102,13 +106,13 @@ def at_exit() -> dict[str, int]:
     get (``{}`` where it got everything), for a line of this worker's own."""
     if hand_over():
         return {}
-    late = {name: count - _sent.get(name, 0) for name, count in counted()["effects"].items()}
+    late = {name: count - _sent.get(name, 0) for name, count in _effects().items()}
     return {name: count for name, count in late.items() if count > 0}
 
 
 def who() -> str:
     """This worker, for a line of its own: ``ray worker 1, pid 12, after its driver's report``."""
-    rank = counted()["rank"]
+    rank = _rank()
     worker = f"ray worker {rank}" if rank is not None else "ray worker"
     return f"{worker}, pid {os.getpid()}, after its driver's report"
 
@@ -117,6 +121,12 @@ def collected() -> list[dict[str, Any]]:
     """In a driver: what the workers of its Ray jobs handed over, as collected before Ray disconnected it."""
     jobs = sys.modules.get("shim.patches._ray_jobs")
     return list(jobs.collected) if jobs is not None else []
+
+
+def _rank() -> int | None:
+    """A Ray Train worker's world rank (torch's variables, set by Ray Train), or ``None``."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank and rank.isdigit() else None
 
 
 @functools.cache  # a process stays on its node
