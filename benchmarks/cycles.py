@@ -33,7 +33,6 @@ import functools
 import gc
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -71,14 +70,11 @@ def cycles(model, count: int) -> None:
 
 def timed_blocks(count: int, blocks: int) -> float:
     """CPU seconds per cycle: the median of ``blocks`` blocks of ``count`` cycles, after a warm-up."""
+    from harness import timed
+
     model = reentrant_model()
     cycles(model, count)
-    seconds = []
-    for _ in range(blocks):
-        start = time.process_time()
-        cycles(model, count)
-        seconds.append((time.process_time() - start) / count)
-    return statistics.median(seconds)
+    return statistics.median(timed(lambda: cycles(model, count), per=count)[0] for _ in range(blocks))
 
 
 def compare_cpu(rounds: int, count: int, blocks: int, cpu: str) -> None:
