@@ -458,8 +458,7 @@ class _Watch:
             if not (vars(module).get("gradient_checkpointing") is True and _in_reentrant_forward()):
                 return
         try:
-            for watch in list(cls.waiting):
-                watch.look_at(module, args)
+            cls._look_at(module, args)
         except Exception as exc:  # the audit never breaks training
             for watch in list(cls.waiting):
                 watch.end()
@@ -473,19 +472,30 @@ class _Watch:
             cls._finder.remove()
             cls._finder = None
 
-    def look_at(self, module: Any, args: Any) -> None:
+    @classmethod
+    def _look_at(cls, module: Any, args: Any) -> None:
         """A training call of ``module``: where it holds watched parameters no module found holds, it
-        is found (hooks on it, and what this call of it shows, read before they were on)."""
-        if id(module) in self.checked:
+        is found, for every watch waiting on some of them at once (one read of its parameters and one
+        walk of it however many optimizers, as many as parameters where each has its own; what this
+        call shows is read once all their hooks are on)."""
+        unchecked = [watch for watch in cls.waiting if id(module) not in watch.checked]
+        if not unchecked:
             return
-        self.checked.add(id(module))
         parameters = frozenset(id(p) for p in module.parameters())
-        held = self.uncovered & parameters
-        if held:
-            tracker, new = _Tracker.of(module, parameters)
-            self.adopt(tracker, held)
-            if new:
-                tracker.entered(module, args, _call_kwargs())
+        found = []
+        for watch in unchecked:
+            watch.checked.add(id(module))
+            held = watch.uncovered & parameters
+            if held:
+                found.append((watch, held))
+        if not found:
+            return
+        tracker, new = _Tracker.of(module, parameters)
+        tracker.watch(set().union(*(held for _watch, held in found)))
+        for watch, held in found:
+            watch.adopt(tracker, held)
+        if new:
+            tracker.entered(module, args, _call_kwargs())
 
     def adopt(self, tracker: _Tracker, held: set[int]) -> None:
         """``tracker``'s module holds the watched parameters ``held``: hooks on it for them."""
