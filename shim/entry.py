@@ -143,6 +143,11 @@ class Entry:
             self._probes = Probes()
         return self._probes
 
+    def _probes_wait(self) -> bool:
+        """Whether a bug probe waits for a module it needs (without making the probes' room, where none
+        was asked: ``import shim`` and a status need not import it)."""
+        return self._probes is not None and bool(self._probes.waiting)
+
     # -- what the user asks ---------------------------------------------------------------------
 
     def activate(self) -> None:
@@ -245,8 +250,8 @@ class Entry:
         else:
             problem, wrapped = None, bool(now) and bool(self.layers)
             self._after_wrapping([m for m in todo if m not in now], [m for m in now if m not in done], late)
-        if problem is None and strict:
-            problem = self.probes.problem()
+        if problem is None and strict and self._probes is not None:  # no probe asked: nothing to raise for
+            problem = self._probes.problem()
         return problem, wrapped
 
     def _refused(self, state: State, why: str, strict: bool) -> str | None:
@@ -268,7 +273,7 @@ class Entry:
         self.forced = forced
         if self.final:
             return
-        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED) and not self.probes.waiting:
+        if self.gate is None and not self.layers and self.state in (PENDING, SKIPPED) and not self._probes_wait():
             # Decided here rather than at activation, where it would cost every ``import shim`` a
             # metadata read (the log decides it the same way, when it shows the line).
             from .gating import gate
@@ -302,7 +307,7 @@ class Entry:
             parts = [gate, *self.notes, rest, self.why]
             said = self.probes.said(self.forced)
             return "; ".join(filter(None, parts + [sentence for sentence in said if not _in(sentence, parts)]))
-        if state is PENDING and self.probes.waiting:  # held outside its gate until its probe can run
+        if state is PENDING and self._probes_wait():  # held outside its gate until its probe can run
             return "; ".join([self._gate_now()[1], *self.probes.said(self.forced)])
         if state is PENDING:
             why = self.why or _applies_when(self.waiting())
@@ -312,7 +317,7 @@ class Entry:
     def shown(self) -> tuple[State, str]:
         """The state and reason as a status shows them: a pending patch outside its gate, not
         decided yet, shows as skipped, as a refresh will record it."""
-        if self.state is PENDING and self.gate is None and not self.layers and not self.probes.waiting:
+        if self.state is PENDING and self.gate is None and not self.layers and not self._probes_wait():
             skip, why = self._gate_now()
             if skip:
                 return SKIPPED, why
@@ -340,7 +345,7 @@ class Entry:
         """Ask the bug probes due before the targets in ``now`` are wrapped, and those that waited for
         a module they need (``shim.probing``), and take the parts off where one that waited finds no
         bug. Returns the modules to wrap now and the modules the probes wait for."""
-        if not now and (self._probes is None or not self._probes.waiting):
+        if not now and not self._probes_wait():
             return now, []
         patch, probes = self.load(), self.probes
         if probes.ask_due(patch, now, ready, mode, self.switched_off) and self.layers:
@@ -439,7 +444,8 @@ class Entry:
         """Start over at the next target import: nothing applied, nothing noted."""
         self.done_modules.clear()
         self.notes.clear()
-        self.probes.stepped_aside.clear()
+        if self._probes is not None:
+            self._probes.stepped_aside.clear()
 
     def _update_switch(self) -> None:
         in_place = self.layers is not None and self.layers.in_place

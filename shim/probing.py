@@ -173,7 +173,7 @@ class Probes:
             with off():
                 answer = self.answers[library] = ask(probe, library, why)
             level = logging.WARNING if answer.present is None else logging.INFO
-            log.log(level, "%s: %s", patch.name, answer.said(gating.installed_version(library)))
+            log.log(level, "%s: %s", patch.name, _said(answer))
         return bool(askable)
 
     def _schedule(self, patch: Patch, module_names: list[str], mode: str) -> None:

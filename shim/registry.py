@@ -42,8 +42,9 @@ class Registry:
         # In the one order (shim.order): a patch given before one it is declared after goes after it;
         # one whose order cannot hold raises from register(), the first problem found first.
         settled = order.settle(patches)
-        refused = [patch for name in settled.refused for patch in patches if patch.name == name]
-        for patch in [*settled.ordered, *refused]:
+        for patch in settled.ordered:  # their order holds: settle() decided it for all of them at once
+            self.register(patch, ordered=True)
+        for patch in [patch for name in settled.refused for patch in patches if patch.name == name]:
             self.register(patch)
 
     def register(self, patch: Patch | Listing, *, ordered: bool = False, settled: bool = False) -> Patch | Listing:
